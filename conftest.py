@@ -1,0 +1,72 @@
+"""Collect every code cell of every tutorial as one pytest item, run in one kernel per tutorial.
+
+Item names give the file and the line of the cell:
+``tutorials/01_getting_started.md::cell 3 [L42]``.
+Cells run in order in one fresh kernel; after a failing cell, the remaining cells of that
+tutorial are reported as not run (skipped with that reason), never as passed.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from xla_permute.notebook import CellRunner, code_cells
+
+TUTORIALS = Path(__file__).parent / "tutorials"
+
+
+def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Collector | None:
+    if file_path.suffix == ".md" and file_path.parent == TUTORIALS:
+        return TutorialFile.from_parent(parent, path=file_path)
+    return None
+
+
+class TutorialFile(pytest.File):
+    def collect(self):
+        self.runner: CellRunner | None = None
+        self.failed_cell: str | None = None
+        self.cells = code_cells(self.path)
+        for number, cell in enumerate(self.cells, start=1):
+            yield TutorialCell.from_parent(
+                self,
+                name=f"cell {number} [L{cell.line}]",
+                cell=cell,
+                last=number == len(self.cells),
+            )
+
+    def run_cell(self, item: TutorialCell) -> None:
+        if self.failed_cell is not None:
+            pytest.skip(f"not run: an earlier cell ({self.failed_cell}) failed")
+        if self.runner is None:
+            self.runner = CellRunner(self.path)
+            self.session.config.add_cleanup(self.runner.close)
+        try:
+            self.runner.run(item.cell.index)
+        except BaseException:
+            self.failed_cell = item.name
+            raise
+        finally:
+            if item.last:
+                self.runner.close()
+
+
+class TutorialCell(pytest.Item):
+    def __init__(self, *, cell, last: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.cell = cell
+        self.last = last
+
+    def runtest(self) -> None:
+        self.parent.run_cell(self)
+
+    def repr_failure(self, excinfo, style=None):
+        from nbclient.exceptions import CellExecutionError
+
+        if isinstance(excinfo.value, CellExecutionError):
+            return f"{self.name} of {self.path.name} failed:\n{excinfo.value}"
+        return super().repr_failure(excinfo, style)
+
+    def reportinfo(self):
+        return self.path, self.cell.line - 1, self.name

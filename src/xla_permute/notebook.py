@@ -1,0 +1,100 @@
+"""Read the tutorials the way the docs build reads them, and run them cell by cell.
+
+The docs (Sphinx + myst-nb) and the test suite must execute the same cells, so both parse the
+MyST-markdown notebooks with myst-nb's own reader. :class:`CellRunner` keeps one Jupyter kernel
+per notebook and runs its code cells in order; the pytest collector in ``conftest.py`` turns each
+code cell into one test item.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["CodeCell", "CellRunner", "code_cells", "excluded_cells", "read_notebook"]
+
+#: Cell tags and metadata with which myst-nb or nbclient would not run a cell (or accept its error).
+EXCLUDING_TAGS = frozenset({"skip-execution", "raises-exception", "remove-cell-execution"})
+
+
+@dataclass(frozen=True)
+class CodeCell:
+    """One code cell of a tutorial: its index among all cells and its first line in the file."""
+
+    index: int
+    line: int
+    source: str
+
+
+def read_notebook(path: str | Path) -> Any:
+    """Parse a MyST-markdown notebook with myst-nb's reader (the one the docs build uses).
+
+    The notebook's metadata gets ``source_map``: the first line (0-based) of every cell.
+    """
+    from myst_nb.core.read import read_myst_markdown_notebook
+
+    text = Path(path).read_text(encoding="utf-8")
+    return read_myst_markdown_notebook(text, add_source_map=True, path=path)
+
+
+def code_cells(path: str | Path) -> list[CodeCell]:
+    """The code cells of a tutorial in order, with the (1-based) line of each cell's fence."""
+    nb = read_notebook(path)
+    starts = nb.metadata["source_map"]
+    return [
+        CodeCell(index=i, line=starts[i] + 1, source=cell.source)
+        for i, cell in enumerate(nb.cells)
+        if cell.cell_type == "code"
+    ]
+
+
+def excluded_cells(path: str | Path) -> list[int]:
+    """Indices of cells that a tag or metadata would keep from running as a test or in the docs."""
+    nb = read_notebook(path)
+    out = []
+    for index, cell in enumerate(nb.cells):
+        tags = set(cell.get("metadata", {}).get("tags", []))
+        meta = cell.get("metadata", {})
+        if tags & EXCLUDING_TAGS or meta.get("skip") or meta.get("execution", {}).get("skip"):
+            out.append(index)
+    return out
+
+
+class CellRunner:
+    """Run one notebook's code cells in a single fresh kernel, in order.
+
+    The kernel starts at the first :meth:`run` and stops at :meth:`close`. A cell error raises
+    ``nbclient.exceptions.CellExecutionError`` with the cell's source and traceback.
+    """
+
+    def __init__(self, path: str | Path, timeout: float = 900.0) -> None:
+        import nbclient
+
+        self.path = Path(path)
+        self.nb = read_notebook(self.path)
+        self.client = nbclient.NotebookClient(
+            self.nb,
+            kernel_name="python3",
+            timeout=timeout,
+            allow_errors=False,
+            resources={"metadata": {"path": str(self.path.parent)}},
+        )
+        self._started = False
+
+    def run(self, index: int) -> None:
+        """Execute cell ``index`` (an index into all cells, as in :class:`CodeCell`)."""
+        if not self._started:
+            env = dict(os.environ, PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "default"))
+            self.client.km = self.client.create_kernel_manager()
+            self.client.start_new_kernel(env=env)
+            self.client.start_new_kernel_client()
+            self._started = True
+        self.client.execute_cell(self.nb.cells[index], index)
+
+    def close(self) -> None:
+        """Shut the kernel down (a no-op when it never started)."""
+        if self._started:
+            self.client._cleanup_kernel()
+            self._started = False

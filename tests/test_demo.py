@@ -1,0 +1,13 @@
+from xla_permute.demo import CHECKS, Row, format_table
+
+
+def test_checks_have_unique_names():
+    names = [c.name for c in CHECKS]
+    assert len(names) == len(set(names))
+
+
+def test_table_has_a_row_per_check():
+    rows = [Row("a", "emulated", True, "ok", 0.5), Row("bb", "native", False, "rank 1: x", 1.0)]
+    table = format_table(rows).splitlines()
+    assert table[0].split() == ["check", "backend", "result", "time"]
+    assert "500 ms" in table[2] and "rank 1: x" in table[3]

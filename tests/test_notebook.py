@@ -1,0 +1,73 @@
+"""Guards on the executable docs: every tutorial is in the toctree, runs every cell, has cells."""
+
+import re
+from pathlib import Path
+
+import pytest
+
+from xla_permute.notebook import CellRunner, code_cells, excluded_cells
+
+ROOT = Path(__file__).resolve().parents[1]
+TUTORIALS = sorted((ROOT / "tutorials").glob("*.md"))
+
+
+def toctree_entries() -> set[str]:
+    text = (ROOT / "docs" / "index.md").read_text()
+    entries = set()
+    for block in re.findall(r"```\{toctree\}(.*?)```", text, flags=re.S):
+        entries |= {ln.strip() for ln in block.splitlines() if ln.strip() and ":" not in ln}
+    return entries
+
+
+def test_there_are_tutorials():
+    assert TUTORIALS
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
+def test_tutorial_is_in_toctree(path):
+    assert f"tutorials/{path.stem}" in toctree_entries(), f"add {path.stem} to docs/index.md"
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
+def test_tutorial_has_cells_and_none_excluded(path):
+    assert code_cells(path), f"{path.name}: no code cell collected"
+    assert excluded_cells(path) == [], f"{path.name}: cells excluded from execution"
+
+
+def test_docs_execute_everything():
+    conf = (ROOT / "docs" / "conf.py").read_text()
+    for setting in [
+        'nb_execution_mode = "force"',
+        "nb_execution_raise_on_error = True",
+        "nb_execution_allow_errors = False",
+        "nb_execution_excludepatterns: list[str] = []",
+    ]:
+        assert setting in conf
+    assert "-W" in (ROOT / "Makefile").read_text()
+
+
+def test_collector_names_cells_by_line(pytestconfig):
+    cells = code_cells(TUTORIALS[0])
+    lines = TUTORIALS[0].read_text().splitlines()
+    for cell in cells:
+        assert lines[cell.line - 1].strip() == cell.source.splitlines()[0].strip()
+
+
+def test_failing_cell_raises_and_names_itself(tmp_path):
+    nb = tmp_path / "broken.md"
+    nb.write_text(
+        "---\nkernelspec:\n  name: python3\n  display_name: Python 3\n---\n# t\n\n"
+        "```{code-cell} ipython3\nx = 1\n```\n\n"
+        "```{code-cell} ipython3\nraise RuntimeError('cell two broke')\n```\n"
+    )
+    from nbclient.exceptions import CellExecutionError
+
+    runner = CellRunner(nb)
+    try:
+        cells = code_cells(nb)
+        assert [c.line for c in cells] == [9, 13]
+        runner.run(cells[0].index)
+        with pytest.raises(CellExecutionError, match="cell two broke"):
+            runner.run(cells[1].index)
+    finally:
+        runner.close()
