@@ -1,6 +1,31 @@
-"""xla-permute: CollectivePermute and collective matmul for PyTorch/XLA."""
+"""xla-permute: CollectivePermute and collective matmul for PyTorch/XLA.
+
+The public namespace; see the API reference for each module.
+"""
 
 from xla_permute.launch import MeshError, RankError, run_on_mesh
+from xla_permute.pairs import (
+    check_groups,
+    check_pairs,
+    decompose,
+    forms_complete_rings,
+    inverse_pairs,
+    is_ring,
+    ring_pairs,
+)
+from xla_permute.permute import collective_permute
 
-__all__ = ["MeshError", "RankError", "run_on_mesh"]
+__all__ = [
+    "MeshError",
+    "RankError",
+    "check_groups",
+    "check_pairs",
+    "collective_permute",
+    "decompose",
+    "forms_complete_rings",
+    "inverse_pairs",
+    "is_ring",
+    "ring_pairs",
+    "run_on_mesh",
+]
 __version__ = "0.1.0"

@@ -5,10 +5,12 @@ participants of a collective by its channel id (``op_id`` in the rendezvous key)
 falls back to the module's id, which differs per thread, and the rendezvous never completes.
 So every collective this package issues carries a channel id from :func:`next_channel_id`.
 
-The counter is per thread (the ranks are threads of one process: a shared counter would hand
-rank 0 and rank 1 different ids for the same collective) and restarts at every
-``xm.mark_step()``, so that a training loop traces the same graph every step and hits XLA's
-compile cache instead of recompiling.
+The counter is kept **per rank** (per XLA device), not per process and not per thread: the
+ranks of the CPU mesh are threads of one process, so a process-wide counter would hand rank 0
+and rank 1 different ids for the same collective; and autograd runs a rank's backward on a
+device thread of its own, so a per-thread counter would reuse the forward's ids within one
+program. The counter restarts at every ``xm.mark_step()``, so that a training loop traces the
+same graph every step and hits XLA's compile cache instead of recompiling.
 """
 
 from __future__ import annotations
@@ -17,21 +19,25 @@ import threading
 
 __all__ = ["next_channel_id"]
 
-_local = threading.local()
+_lock = threading.Lock()
+_next: dict[str, int] = {}  # device -> last id handed out in its current program
 
 
-def _restart() -> None:
-    _local.next = 0
-    _local.armed = False
+def _restart(device: str) -> None:
+    with _lock:
+        _next.pop(device, None)
 
 
 def next_channel_id() -> int:
     """Return the next channel id (1, 2, ...) of this rank's current program."""
-    if not getattr(_local, "armed", False):
-        import torch_xla.core.xla_model as xm
+    import torch_xla
+    import torch_xla.core.xla_model as xm
 
-        _local.next = 0
-        _local.armed = True
-        xm.add_step_closure(_restart)
-    _local.next += 1
-    return _local.next
+    device = str(torch_xla.device())
+    with _lock:
+        first = device not in _next
+        _next[device] = _next.get(device, 0) + 1
+        channel = _next[device]
+    if first:
+        xm.add_step_closure(_restart, args=(device,))
+    return channel

@@ -1,0 +1,259 @@
+"""Source-target pairs of a CollectivePermute: checks, rings, inverses, cycles, groups.
+
+A permute is given by pairs ``(source, target)``: rank ``target`` receives rank ``source``'s
+tensor. XLA allows any *partial* permutation: every rank is the source of at most one pair and
+the target of at most one pair; self pairs ``(r, r)`` keep a value in place; a rank that is no
+pair's target receives zeros. With replica groups the ids are group-local and the same pairs
+apply inside every group.
+
+Everything here is pure Python and raises before any collective is issued.
+
+>>> ring_pairs(4)
+((0, 1), (1, 2), (2, 3), (3, 0))
+>>> inverse_pairs(ring_pairs(4, shift=1)) == ring_pairs(4, shift=-1)
+True
+>>> decompose([(0, 1), (1, 0), (2, 3)])
+Decomposition(cycles=((0, 1),), chains=((2, 3),))
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Iterable, Sequence
+from typing import NamedTuple
+
+__all__ = [
+    "Decomposition",
+    "PairsLike",
+    "check_groups",
+    "check_pairs",
+    "decompose",
+    "forms_complete_rings",
+    "global_pairs",
+    "inverse_pairs",
+    "is_ring",
+    "ring_pairs",
+    "source_of",
+]
+
+Pair = tuple[int, int]
+Pairs = tuple[Pair, ...]
+PairsLike = Iterable[Sequence[int]]
+Groups = tuple[tuple[int, ...], ...]
+
+
+class Decomposition(NamedTuple):
+    """A partial permutation as disjoint closed cycles and open chains (ranks in visit order).
+
+    A chain ``(a, b, c)`` means a -> b -> c with nobody sending to ``a`` (it receives zeros) and
+    ``c`` sending nowhere (its value is dropped). A self pair is a cycle of length one.
+    """
+
+    cycles: tuple[tuple[int, ...], ...]
+    chains: tuple[tuple[int, ...], ...]
+
+
+def _as_rank(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            as_int = operator.index(value)  # accepts numpy / torch integer scalars
+        except TypeError:
+            raise TypeError(
+                f"{where} must be an integer rank id, got {value!r} ({type(value).__name__})"
+            ) from None
+        value = as_int
+    return int(value)
+
+
+def check_pairs(pairs: PairsLike, group_size: int) -> Pairs:
+    """Validate ``pairs`` for groups of ``group_size`` ranks and return them as int tuples.
+
+    Allowed: any partial permutation of ``0..group_size-1`` (self pairs, several cycles, open
+    chains). The empty sequence is allowed and means every rank receives zeros.
+
+    Raises:
+        TypeError: not a sequence of 2-item pairs, or a non-integer id.
+        ValueError: a negative id, an id >= ``group_size``, a duplicate source or target.
+
+    >>> check_pairs([[0, 1], [1, 0]], 2)
+    ((0, 1), (1, 0))
+    >>> check_pairs([(0, 1), (2, 1)], 4)
+    Traceback (most recent call last):
+    ...
+    ValueError: pairs: duplicate target 1 in pairs (0, 1) and (2, 1); every rank may receive from at most one source
+    """
+    if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
+        raise TypeError(
+            f"pairs must be a sequence of (source, target) pairs such as [(0, 1), (1, 0)], "
+            f"got {type(pairs).__name__}"
+        )
+    out: list[Pair] = []
+    by_source: dict[int, Pair] = {}
+    by_target: dict[int, Pair] = {}
+    for i, pair in enumerate(pairs):
+        if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
+            raise TypeError(
+                f"pairs[{i}] = {pair!r} is not a (source, target) pair; pairs must be a "
+                f"sequence of 2-item pairs such as [(0, 1), (1, 0)]"
+            )
+        s = _as_rank(pair[0], f"pairs[{i}] source")
+        t = _as_rank(pair[1], f"pairs[{i}] target")
+        for role, rank in (("source", s), ("target", t)):
+            if rank < 0:
+                raise ValueError(f"pairs[{i}] = {(s, t)}: {role} {rank} is negative")
+            if rank >= group_size:
+                raise ValueError(
+                    f"pairs[{i}] = {(s, t)}: {role} {rank} is outside the group of "
+                    f"{group_size} ranks (ids 0..{group_size - 1})"
+                )
+        if s in by_source:
+            raise ValueError(
+                f"pairs: duplicate source {s} in pairs {by_source[s]} and {(s, t)}; every rank "
+                f"may send to at most one target"
+            )
+        if t in by_target:
+            raise ValueError(
+                f"pairs: duplicate target {t} in pairs {by_target[t]} and {(s, t)}; every rank "
+                f"may receive from at most one source"
+            )
+        by_source[s] = by_target[t] = (s, t)
+        out.append((s, t))
+    return tuple(out)
+
+
+def check_groups(groups: Sequence[Sequence[int]] | None, world_size: int) -> Groups:
+    """Validate replica groups: equal sizes, no overlap, together exactly ranks 0..N-1.
+
+    ``None`` means one group of all ranks.
+
+    >>> check_groups([[0, 1], [2, 3]], 4)
+    ((0, 1), (2, 3))
+    >>> check_groups(None, 3)
+    ((0, 1, 2),)
+    """
+    if groups is None:
+        return (tuple(range(world_size)),)
+    if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or not groups:
+        raise TypeError(
+            f"groups must be a non-empty list of rank lists such as [[0, 1], [2, 3]], or None "
+            f"for one group of all ranks; got {groups!r}"
+        )
+    out = []
+    owner: dict[int, int] = {}
+    for g, group in enumerate(groups):
+        if isinstance(group, (str, bytes)) or not isinstance(group, Sequence) or not group:
+            raise TypeError(f"groups[{g}] = {group!r} must be a non-empty list of rank ids")
+        ranks = tuple(_as_rank(r, f"groups[{g}] entry") for r in group)
+        for r in ranks:
+            if not 0 <= r < world_size:
+                raise ValueError(
+                    f"groups[{g}] contains rank {r}, outside the world of {world_size} ranks"
+                )
+            if r in owner:
+                raise ValueError(
+                    f"groups overlap: rank {r} is in groups[{owner[r]}] and groups[{g}]; "
+                    f"every rank must be in exactly one group"
+                )
+            owner[r] = g
+        out.append(ranks)
+    sizes = {len(g) for g in out}
+    if len(sizes) > 1:
+        raise ValueError(
+            f"groups have different sizes {sorted(sizes)}; the same group-local pairs must "
+            f"apply in every group, so all groups need the same size"
+        )
+    missing = sorted(set(range(world_size)) - set(owner))
+    if missing:
+        raise ValueError(
+            f"groups leave ranks {missing} out; the groups must together cover every rank "
+            f"0..{world_size - 1} exactly once"
+        )
+    return tuple(out)
+
+
+def global_pairs(
+    pairs: PairsLike, groups: Sequence[Sequence[int]] | None, world_size: int
+) -> Pairs:
+    """Check group-local ``pairs`` and ``groups`` and return the equivalent global pairs.
+
+    >>> global_pairs([(0, 1), (1, 0)], [[0, 1], [2, 3]], 4)
+    ((0, 1), (1, 0), (2, 3), (3, 2))
+    """
+    checked_groups = check_groups(groups, world_size)
+    local = check_pairs(pairs, len(checked_groups[0]))
+    return tuple((g[s], g[t]) for g in checked_groups for s, t in local)
+
+
+def ring_pairs(n: int, shift: int = 1) -> Pairs:
+    """Pairs of a ring shift: rank ``r`` sends to ``(r + shift) % n``.
+
+    >>> ring_pairs(3, shift=-1)
+    ((0, 2), (1, 0), (2, 1))
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int number of ranks, got {n!r}")
+    return tuple((r, (r + shift) % n) for r in range(n))
+
+
+def inverse_pairs(pairs: PairsLike) -> Pairs:
+    """The pairs that send every value back: ``(s, t)`` becomes ``(t, s)``.
+
+    The backward of a permute is the permute of the gradient with the inverse pairs.
+    """
+    return tuple((int(t), int(s)) for s, t in pairs)
+
+
+def source_of(pairs: PairsLike, rank: int) -> int | None:
+    """The rank that ``rank`` receives from, or None (it receives zeros)."""
+    return next((int(s) for s, t in pairs if t == rank), None)
+
+
+def decompose(pairs: PairsLike) -> Decomposition:
+    """Split a (checked) partial permutation into closed cycles and open chains.
+
+    Each cycle starts at its smallest rank; each chain at the rank that receives nothing.
+
+    >>> decompose(ring_pairs(3))
+    Decomposition(cycles=((0, 1, 2),), chains=())
+    >>> decompose([(1, 2), (0, 1), (3, 3)])
+    Decomposition(cycles=((3,),), chains=((0, 1, 2),))
+    """
+    succ = {int(s): int(t) for s, t in pairs}
+    targets = set(succ.values())
+    seen: set[int] = set()
+    chains = []
+    for start in sorted(set(succ) - targets):  # sends, receives nothing: a chain's head
+        chain = [start]
+        while chain[-1] in succ:
+            chain.append(succ[chain[-1]])
+        seen.update(chain)
+        chains.append(tuple(chain))
+    cycles = []
+    for start in sorted(set(succ) - seen):
+        if start in seen:
+            continue
+        cycle = [start]
+        while succ[cycle[-1]] != start:
+            cycle.append(succ[cycle[-1]])
+        seen.update(cycle)
+        cycles.append(tuple(cycle))
+    return Decomposition(tuple(cycles), tuple(chains))
+
+
+def is_ring(pairs: PairsLike, n: int) -> bool:
+    """True when the pairs form one cycle through all ``n`` ranks (a ring shift, for example).
+
+    >>> is_ring(ring_pairs(4, shift=3), 4), is_ring([(0, 1), (1, 0)], 4)
+    (True, False)
+    """
+    d = decompose(pairs)
+    return not d.chains and len(d.cycles) == 1 and len(d.cycles[0]) == n
+
+
+def forms_complete_rings(pairs: PairsLike) -> bool:
+    """True when every pair lies on a closed cycle (no open chain): the Neuron rule.
+
+    >>> forms_complete_rings([(0, 1), (1, 0), (2, 3), (3, 2)]), forms_complete_rings([(0, 1)])
+    (True, False)
+    """
+    return not decompose(pairs).chains

@@ -1,0 +1,145 @@
+"""``collective_permute``: checked, differentiable, on every backend.
+
+Semantics (XLA's CollectivePermute): for every pair ``(s, t)`` rank ``t`` receives rank ``s``'s
+tensor; a rank that is no pair's target receives zeros. With ``groups`` the pairs are
+group-local and apply inside every group. The per-rank input and output have the same shape
+and dtype.
+
+Backends:
+
+* ``"native"``: ``xm.collective_permute``, one HLO ``collective-permute`` (TPU, Neuron);
+* ``"emulated"``: the same result from a channel-id all-gather and a per-rank select. It moves
+  N times the data of a permute and exists for the CPU mesh, where collectives without a channel
+  id (``xm.collective_permute`` among them) cannot run;
+* ``"auto"``: ``emulated`` on the CPU backend, ``native`` elsewhere.
+
+Backward: the permute of the gradient with the inverse pairs, ``grad_x = permute(grad_y,
+inverse_pairs(pairs))``; a rank whose value went nowhere gets a zero gradient.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Literal
+
+import torch
+
+from xla_permute.pairs import Pairs, PairsLike, global_pairs, inverse_pairs, source_of
+
+__all__ = ["BACKENDS", "Backend", "collective_permute", "resolve_backend"]
+
+Backend = Literal["auto", "native", "emulated"]
+BACKENDS: tuple[str, ...] = ("auto", "native", "emulated")
+
+
+def resolve_backend(backend: str, device_type: str | None = None) -> str:
+    """Map ``"auto"`` to ``"emulated"`` on the CPU backend and ``"native"`` elsewhere.
+
+    >>> resolve_backend("auto", "CPU"), resolve_backend("auto", "TPU"), resolve_backend("native")
+    ('emulated', 'native', 'native')
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if device_type is None:
+        import torch_xla.runtime as xr
+
+        device_type = xr.device_type()
+    return "emulated" if device_type == "CPU" else "native"
+
+
+def check_xla_tensor(x: object, name: str = "x") -> torch.Tensor:
+    """Raise unless ``x`` is a tensor on an XLA device (the fix is in the message)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.device.type != "xla":
+        raise ValueError(
+            f"{name} is on device {x.device}, not an XLA device; move it first with "
+            f"{name}.to(torch_xla.device())"
+        )
+    return x
+
+
+def _permute_native(x: torch.Tensor, pairs: Pairs) -> torch.Tensor:
+    import torch_xla.core.xla_model as xm
+
+    return xm.collective_permute(x, [list(p) for p in pairs])
+
+
+def _permute_emulated(x: torch.Tensor, pairs: Pairs, world_size: int, rank: int) -> torch.Tensor:
+    import torch_xla.core.xla_model as xm
+
+    from xla_permute.channels import next_channel_id
+
+    gathered = xm.all_gather(
+        x.unsqueeze(0),
+        dim=0,
+        groups=[list(range(world_size))],
+        pin_layout=False,
+        channel_id=next_channel_id(),
+        use_global_device_ids=True,
+    )
+    # Select this rank's source with an index that is device *data*, not a traced constant:
+    # a constant select would let the lazy graph of a zero-filled rank drop the all-gather (its
+    # result unused), and the other ranks would wait for it forever. Row N is the zero fill.
+    source = source_of(pairs, rank)
+    index = torch.tensor([world_size if source is None else source]).to(x.device)
+    padded = torch.cat([gathered, torch.zeros_like(gathered[:1])])
+    return padded.index_select(0, index).squeeze(0)
+
+
+def _permute(x: torch.Tensor, pairs: Pairs, backend: str) -> torch.Tensor:
+    if not pairs:  # every rank receives zeros; no collective needed (all ranks agree)
+        return torch.zeros_like(x)
+    if backend == "native":
+        return _permute_native(x, pairs)
+    import torch_xla.runtime as xr
+
+    return _permute_emulated(x, pairs, xr.world_size(), xr.global_ordinal())
+
+
+class _CollectivePermute(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, pairs: Pairs, backend: str) -> torch.Tensor:
+        ctx.pairs, ctx.backend = pairs, backend
+        return _permute(x, pairs, backend)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        back = _CollectivePermute.apply(grad.contiguous(), inverse_pairs(ctx.pairs), ctx.backend)
+        return back, None, None
+
+
+def collective_permute(
+    x: torch.Tensor,
+    pairs: PairsLike,
+    *,
+    groups: Sequence[Sequence[int]] | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Send each rank's ``x`` to the rank its pair names; differentiable.
+
+    Args:
+        x: this rank's tensor, on an XLA device; any shape and dtype. The output has the same.
+        pairs: ``(source, target)`` rank pairs, a partial permutation (see
+            :mod:`xla_permute.pairs`): self pairs, several cycles and open chains are fine.
+            Empty pairs mean every rank receives zeros (no collective is issued).
+        groups: replica groups that partition the ranks, all of one size; ``pairs`` are then
+            group-local and apply in every group. ``None``: one group of all ranks.
+        backend: ``"native"``, ``"emulated"`` or ``"auto"`` (see the module docstring).
+
+    Returns:
+        ``y`` with ``y = x_s`` on rank ``t`` for each pair ``(s, t)``, zeros on ranks that are
+        no pair's target. Backward: ``grad_x = collective_permute(grad_y, inverse pairs)``.
+
+    Raises:
+        TypeError, ValueError: bad ``x``, ``pairs``, ``groups`` or ``backend``, before any
+        collective is issued; the message names the offending value and what is allowed.
+    """
+    import torch_xla.runtime as xr
+
+    check_xla_tensor(x)
+    chosen = resolve_backend(backend)
+    checked = global_pairs(pairs, groups, xr.world_size())
+    return _CollectivePermute.apply(x, checked, chosen)

@@ -1,0 +1,63 @@
+"""The semantics, in a page: pure-torch collectives on a *virtual mesh*.
+
+A virtual mesh tensor has the rank as its leading axis: ``xs[r]`` is what rank ``r`` holds.
+These functions are the oracle every backend is tested against and the definitions the docs
+quote. They are differentiable with plain torch autograd, which gives the reference gradients.
+
+>>> from xla_permute.pairs import ring_pairs
+>>> xs = torch.arange(4.0)[:, None]           # rank r holds [r]
+>>> permute(xs, ring_pairs(4)).flatten().tolist()
+[3.0, 0.0, 1.0, 2.0]
+>>> permute(xs, [(0, 1), (1, 0)]).flatten().tolist()   # ranks 2 and 3 receive zeros
+[1.0, 0.0, 0.0, 0.0]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from xla_permute.pairs import PairsLike, global_pairs
+
+__all__ = [
+    "all_gather",
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
+    "permute",
+    "reduce_scatter",
+]
+
+
+def permute(
+    xs: torch.Tensor, pairs: PairsLike, groups: Sequence[Sequence[int]] | None = None
+) -> torch.Tensor:
+    """CollectivePermute: ``out[t] = xs[s]`` for every pair ``(s, t)``; zeros elsewhere.
+
+    With ``groups``, the pairs are group-local and apply inside every group.
+    """
+    out = torch.zeros_like(xs)
+    for s, t in global_pairs(pairs, groups, xs.shape[0]):
+        out[t] = xs[s]
+    return out
+
+
+def all_gather(xs: torch.Tensor, dim: int) -> torch.Tensor:
+    """AllGather: every rank gets the ranks' blocks concatenated along ``dim`` (per-rank dim)."""
+    full = torch.cat(list(xs), dim=dim)
+    return full.unsqueeze(0).expand(xs.shape[0], *full.shape)
+
+
+def reduce_scatter(xs: torch.Tensor, dim: int) -> torch.Tensor:
+    """ReduceScatter (sum): rank ``r`` gets block ``r`` along ``dim`` of the sum over ranks."""
+    return torch.stack(xs.sum(0).chunk(xs.shape[0], dim=dim))
+
+
+def all_gather_matmul(xs: torch.Tensor, ws: torch.Tensor, dim: int) -> torch.Tensor:
+    """``out[r] = AllGather(x, dim) @ ws[r]``: each rank multiplies the whole x by its w."""
+    return all_gather(xs, dim) @ ws
+
+
+def matmul_reduce_scatter(xs: torch.Tensor, ws: torch.Tensor, dim: int) -> torch.Tensor:
+    """``out = ReduceScatter(xs[r] @ ws[r], dim)``: the partial products summed and split."""
+    return reduce_scatter(xs @ ws, dim)
