@@ -10,7 +10,7 @@ Everything here is pure Python and raises before any collective is issued.
 
 >>> ring_pairs(4)
 ((0, 1), (1, 2), (2, 3), (3, 0))
->>> inverse_pairs(ring_pairs(4, shift=1)) == ring_pairs(4, shift=-1)
+>>> sorted(inverse_pairs(ring_pairs(4, shift=1))) == sorted(ring_pairs(4, shift=-1))
 True
 >>> decompose([(0, 1), (1, 0), (2, 3)])
 Decomposition(cycles=((0, 1),), chains=((2, 3),))
@@ -80,7 +80,7 @@ def check_pairs(pairs: PairsLike, group_size: int) -> Pairs:
     >>> check_pairs([(0, 1), (2, 1)], 4)
     Traceback (most recent call last):
     ...
-    ValueError: pairs: duplicate target 1 in pairs (0, 1) and (2, 1); every rank may receive from at most one source
+    ValueError: pairs: duplicate target 1 in pairs (0, 1) and (2, 1); every rank may receive ...
     """
     if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
         raise TypeError(
