@@ -53,11 +53,20 @@ def reduce_scatter(xs: torch.Tensor, dim: int) -> torch.Tensor:
     return torch.stack(xs.sum(0).chunk(xs.shape[0], dim=dim))
 
 
+def _matmul(xs: torch.Tensor, ws: torch.Tensor) -> torch.Tensor:
+    """Per-rank ``xs[r] @ ws[r]`` for per-rank x of any rank >= 2 and 2-D per-rank w."""
+    return xs @ ws.reshape(ws.shape[0], *[1] * (xs.dim() - 3), *ws.shape[1:])
+
+
 def all_gather_matmul(xs: torch.Tensor, ws: torch.Tensor, dim: int) -> torch.Tensor:
     """``out[r] = AllGather(x, dim) @ ws[r]``: each rank multiplies the whole x by its w."""
-    return all_gather(xs, dim) @ ws
+    return _matmul(all_gather(xs, dim), ws)
 
 
 def matmul_reduce_scatter(xs: torch.Tensor, ws: torch.Tensor, dim: int) -> torch.Tensor:
-    """``out = ReduceScatter(xs[r] @ ws[r], dim)``: the partial products summed and split."""
-    return reduce_scatter(xs @ ws, dim)
+    """``out = ReduceScatter(xs[r] @ ws[r], dim)``: the partial products summed and split.
+
+    Half-precision inputs are multiplied and summed in float32 and rounded once.
+    """
+    acc = torch.float32 if xs.dtype in (torch.bfloat16, torch.float16) else xs.dtype
+    return reduce_scatter(_matmul(xs.to(acc), ws.to(acc)), dim).to(xs.dtype)
