@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["all_gather", "reduce_scatter"]
+__all__ = ["all_gather", "reduce_scatter", "sum_gradients"]
 
 
 def _world() -> list[list[int]]:
@@ -92,3 +92,24 @@ def reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
     Per rank: ``[..., N*m, ...] -> [..., m, ...]``; ``x.shape[dim]`` must divide by N.
     """
     return _ReduceScatter.apply(x, dim % x.dim())
+
+
+class _SumGradients(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        return _all_gather(grad.unsqueeze(0).contiguous(), 0).sum(0)
+
+
+def sum_gradients(x: torch.Tensor) -> torch.Tensor:
+    """Identity forward; backward sums the gradient over ranks.
+
+    For a parameter held whole on every rank but used on a shard of the data (the bias of a
+    sequence-parallel row-parallel layer): each rank's gradient covers its own rows only, and
+    the true gradient is their sum. (An all-reduce, built from a channel-id all-gather so that
+    it runs on the CPU mesh too.)
+    """
+    return _SumGradients.apply(x)

@@ -16,6 +16,8 @@ XLA receives. Get that text on a rank with ``torch_xla._XLAC._get_xla_tensors_hl
 [('collective-permute', ((0, 1), (1, 0)), 128)]
 >>> program.depends_on("add", "cp"), program.depends_on("cp", "add")
 (True, False)
+>>> program.independent_of("cp", "add")
+[]
 """
 
 from __future__ import annotations
@@ -190,6 +192,19 @@ class Program:
     def depends_on(self, name: str, other: str) -> bool:
         """True when instruction ``name`` (transitively) uses the result of ``other``."""
         return other in self._ancestors[name]
+
+    def independent_of(self, name: str, opcode: str = "dot") -> list[str]:
+        """The ``opcode`` instructions that neither use ``name`` nor feed it.
+
+        For a collective, these are the ops that may run while it is in flight: a collective
+        matmul's permute of step t has the dot of step t (and earlier ones) here; the
+        all-gather of the baseline has none, because its one dot waits for it.
+        """
+        return [
+            i.name
+            for i in self.ops(opcode)
+            if not self.depends_on(i.name, name) and not self.depends_on(name, i.name)
+        ]
 
 
 def parse(text: str) -> Program:
