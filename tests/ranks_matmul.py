@@ -49,11 +49,11 @@ def mlp_train_step(
     fc2_state: dict[str, torch.Tensor],
     x_full: torch.Tensor,
     target_full: torch.Tensor,
-    activation: str,
-    variants: list[dict[str, bool]],
+    variants: list[dict[str, Any]],
     lr: float,
 ) -> list[dict[str, Any]]:
-    """One SGD step of the sequence-parallel MLP for each variant; loss = sum of squares."""
+    """One SGD step of the sequence-parallel MLP per variant (``activation`` + layer kwargs);
+    loss = sum of squares of this rank's rows (the total loss is the sum over ranks)."""
     import torch_xla
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
@@ -62,7 +62,7 @@ def mlp_train_step(
     from xla_permute.layers import SequenceParallelMLP
 
     rank, n, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
-    act = {"relu": nn.functional.relu, "gelu": nn.functional.gelu}[activation]
+    acts = {"relu": nn.functional.relu, "gelu": nn.functional.gelu}
     fc1 = nn.Linear(*fc1_state["weight"].shape[::-1])
     fc2 = nn.Linear(*fc2_state["weight"].shape[::-1])
     fc1.load_state_dict(fc1_state)
@@ -71,7 +71,9 @@ def mlp_train_step(
     target = target_full.chunk(n, dim=1)[rank].to(device)
     outs = []
     for variant in variants:
-        mlp = SequenceParallelMLP.from_mlp(fc1, fc2, act, **variant).to(device)
+        kwargs = {k: v for k, v in variant.items() if k != "activation"}
+        mlp = SequenceParallelMLP.from_mlp(fc1, fc2, acts[variant["activation"]], **kwargs)
+        mlp = mlp.to(device)
         loss = ((mlp(x) - target) ** 2).sum()
         loss.backward()
         grads = {name: p.grad for name, p in mlp.named_parameters()}
@@ -88,3 +90,65 @@ def mlp_train_step(
         }
         for o in outs
     ]
+
+
+def _error(call: Any) -> str:
+    try:
+        call()
+    except (TypeError, ValueError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "no error"
+
+
+def matmul_errors() -> dict[str, str]:
+    """Each bad call of the collective matmuls, and the error it raised (before any collective)."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    from xla_permute.matmul import all_gather_matmul, matmul_reduce_scatter
+
+    n, d = xr.world_size(), torch_xla.device()
+    x, w = torch.ones(2, 3, device=d), torch.ones(3, 4, device=d)
+    return {
+        "not divisible": _error(
+            lambda: matmul_reduce_scatter(torch.ones(n + 1, 3, device=d), w, dim=0)
+        ),
+        "inner dims": _error(lambda: all_gather_matmul(x, torch.ones(4, 4, device=d), dim=0)),
+        "dtypes": _error(lambda: all_gather_matmul(x, w.to(torch.bfloat16), dim=0)),
+        "cpu tensor": _error(lambda: all_gather_matmul(x.cpu(), w, dim=0)),
+        "contracted dim": _error(lambda: all_gather_matmul(x, w, dim=-1)),
+        "dim out of range": _error(lambda: matmul_reduce_scatter(x, w, dim=2)),
+        "w not 2-D": _error(lambda: all_gather_matmul(x, torch.ones(1, 3, 4, device=d), dim=0)),
+        "x 1-D": _error(lambda: all_gather_matmul(torch.ones(3, device=d), w, dim=0)),
+    }
+
+
+def matmul_suite(cases: list[dict[str, Any]]) -> dict[str, Any]:
+    """The error checks first (they must not issue a collective), then every case."""
+    return {"errors": matmul_errors(), "cases": matmul_cases(cases)}
+
+
+def traced_hlos(specs: list[dict[str, Any]]) -> list[str]:
+    """HLO text of each ``tracing.matmul_hlo(**spec)``, traced on this rank, never run."""
+    from xla_permute.tracing import matmul_hlo
+
+    return [matmul_hlo(**spec) for spec in specs]
+
+
+def collectives_roundtrip(xs: torch.Tensor, gs_gather: torch.Tensor, gs_sum: torch.Tensor):
+    """all_gather, reduce_scatter and sum_gradients with their backward, on this rank."""
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    from xla_permute.collectives import all_gather, reduce_scatter, sum_gradients
+
+    rank, d = xr.global_ordinal(), torch_xla.device()
+    x = xs[rank].to(d).requires_grad_()
+    gathered = all_gather(x, 1)
+    scattered = reduce_scatter(gathered, 1)
+    b = torch.ones(3, device=d).requires_grad_()
+    loss = (gathered * gs_gather[rank].to(d)).sum() + (scattered * gs_sum[rank].to(d)).sum()
+    (loss + (sum_gradients(b) * (rank + 1)).sum()).backward()
+    xm.mark_step()
+    return {"gathered": gathered, "scattered": scattered, "dx": x.grad, "db": b.grad}

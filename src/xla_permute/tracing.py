@@ -12,7 +12,7 @@ from typing import Literal
 
 import torch
 
-__all__ = ["MATMUL_OPS", "matmul_program", "matmul_hlo"]
+__all__ = ["MATMUL_OPS", "discard_traced_collectives", "matmul_hlo", "matmul_program"]
 
 MatmulOp = Literal["all_gather_matmul", "matmul_reduce_scatter", "all_gather_then_matmul",
                    "matmul_then_reduce_scatter"]  # fmt: skip
@@ -62,8 +62,23 @@ def matmul_program(
     return [x.grad, w.grad]
 
 
+def discard_traced_collectives() -> None:
+    """Forget the collectives traced on this rank so far (their tensors must be discarded).
+
+    torch_xla threads a token through every collective, so a program traced after another
+    would contain the first one's collectives too. This resets the token, as
+    ``xm.set_replication`` does, so that the next traced program stands alone.
+    """
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla._XLAC._set_all_reduce_token(xm._get_device_context().device, None)
+
+
 def matmul_hlo(op: MatmulOp, m: int, k: int, f: int, **kwargs: object) -> str:
     """HLO text of :func:`matmul_program` (same arguments), traced and never run."""
     import torch_xla
 
-    return torch_xla._XLAC._get_xla_tensors_hlo(matmul_program(op, m, k, f, **kwargs))
+    text = torch_xla._XLAC._get_xla_tensors_hlo(matmul_program(op, m, k, f, **kwargs))
+    discard_traced_collectives()
+    return text

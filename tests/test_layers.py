@@ -1,0 +1,117 @@
+"""A training step of the sequence-parallel MLP on the 4-device mesh equals the single-device one.
+
+Tolerance: with ReLU and integer-valued weights and data every value is an exactly
+representable integer, so loss, gradients and updated parameters must be *equal*. With GELU
+the ranks sum partial products in another order than one device does, so we allow a relative
+error of 1e-6 of the largest entry (float32 has a 6e-8 unit roundoff; the sums have <= 64 terms).
+"""
+
+import pytest
+import ranks_matmul
+import torch
+from torch import nn
+
+from xla_permute import run_on_mesh
+from xla_permute.layers import ColumnParallelLinear, RowParallelLinear
+
+H, F, B, S, N = 8, 16, 2, 8, 4
+LR = 2.0**-10
+VARIANTS = [
+    {"activation": act, "collective_matmul": cm, "bidirectional": bi}
+    for act in ("relu", "gelu")
+    for cm, bi in ((True, False), (True, True), (False, False))
+]
+
+
+def _int_like(t, g):
+    return torch.randint(-2, 3, t.shape, generator=g).float()
+
+
+@pytest.fixture(scope="module")
+def run():
+    g = torch.Generator().manual_seed(0)
+    fc1, fc2 = nn.Linear(H, F), nn.Linear(F, H)
+    with torch.no_grad():
+        for p in (*fc1.parameters(), *fc2.parameters()):
+            p.copy_(_int_like(p, g))
+    x, target = _int_like(torch.empty(B, S, H), g), _int_like(torch.empty(B, S, H), g)
+    per_rank = run_on_mesh(
+        ranks_matmul.mlp_train_step, fc1.state_dict(), fc2.state_dict(), x, target, VARIANTS,
+        LR, n=N,
+    )  # fmt: skip
+    return fc1, fc2, x, target, per_rank
+
+
+def single_device(fc1, fc2, x, target, activation):
+    f1, f2 = nn.Linear(H, F), nn.Linear(F, H)
+    f1.load_state_dict(fc1.state_dict())
+    f2.load_state_dict(fc2.state_dict())
+    act = {"relu": nn.functional.relu, "gelu": nn.functional.gelu}[activation]
+    loss = ((f2(act(f1(x))) - target) ** 2).sum()
+    loss.backward()
+    grads = {
+        "fc1.weight": f1.weight.grad, "fc1.bias": f1.bias.grad,
+        "fc2.weight": f2.weight.grad, "fc2.bias": f2.bias.grad,
+    }  # fmt: skip
+    return loss.detach(), grads, {k: p.detach() - LR * grads[k] for k, p in
+                                  (("fc1.weight", f1.weight), ("fc1.bias", f1.bias),
+                                   ("fc2.weight", f2.weight), ("fc2.bias", f2.bias))}  # fmt: skip
+
+
+def gather_shards(shards, key):
+    """Reassemble the full tensor from the ranks' shards (or check a replicated one)."""
+    if key == "fc2.bias":  # replicated: every rank must hold the same
+        assert all(torch.equal(s, shards[0]) for s in shards)
+        return shards[0]
+    return torch.cat(shards, dim=1 if key == "fc2.weight" else 0)
+
+
+def close(got, want, exact):
+    if exact:
+        return torch.equal(got, want)
+    return (got - want).abs().max() <= 1e-6 * want.abs().max()
+
+
+@pytest.mark.parametrize("v", range(len(VARIANTS)), ids=[str(v) for v in VARIANTS])
+def test_training_step_matches_single_device(run, v):
+    fc1, fc2, x, target, per_rank = run
+    variant = VARIANTS[v]
+    exact = variant["activation"] == "relu"
+    loss, grads, params = single_device(fc1, fc2, x, target, variant["activation"])
+    total = sum(r[v]["loss"] for r in per_rank)
+    assert close(total, loss, exact), (total, loss)
+    for key in grads:
+        for kind, want in (("grads", grads[key]), ("params", params[key])):
+            got = gather_shards([r[v][kind][key] for r in per_rank], key)
+            assert close(got, want, exact), f"{kind} {key}"
+
+
+def test_sharding_shapes_and_errors():
+    col = ColumnParallelLinear(8, 16, world_size=4, rank=1)
+    row = RowParallelLinear(16, 8, world_size=4, rank=1)
+    assert col.weight.shape == (4, 8) and col.bias.shape == (4,)
+    assert row.weight.shape == (8, 4) and row.bias.shape == (8,)
+    with pytest.raises(ValueError, match="out_features = 10 is not divisible by the 4 ranks"):
+        ColumnParallelLinear(8, 10, world_size=4, rank=0)
+    with pytest.raises(ValueError, match="in_features = 6 is not divisible"):
+        RowParallelLinear(6, 8, world_size=4, rank=0)
+    with pytest.raises(ValueError, match="rank 4 is outside the world of 4 ranks"):
+        ColumnParallelLinear(8, 16, world_size=4, rank=4)
+
+
+def test_from_linear_takes_this_ranks_shard():
+    full = nn.Linear(8, 16)
+    col = ColumnParallelLinear.from_linear(full, world_size=4, rank=2)
+    row = RowParallelLinear.from_linear(nn.Linear(16, 8), world_size=4, rank=3)
+    assert torch.equal(col.weight, full.weight[8:12]) and torch.equal(col.bias, full.bias[8:12])
+    assert row.weight.shape == (8, 4)
+
+
+def test_initialisation_uses_the_given_generator():
+    a = ColumnParallelLinear(
+        8, 16, world_size=4, rank=0, generator=torch.Generator().manual_seed(3)
+    )
+    b = ColumnParallelLinear(
+        8, 16, world_size=4, rank=0, generator=torch.Generator().manual_seed(3)
+    )
+    assert torch.equal(a.weight, b.weight) and a.weight.abs().max() <= 8**-0.5
