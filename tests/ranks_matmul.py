@@ -44,54 +44,6 @@ def matmul_cases(cases: list[dict[str, Any]], sync_each: bool = False) -> list[d
     return outs
 
 
-def mlp_train_step(
-    fc1_state: dict[str, torch.Tensor],
-    fc2_state: dict[str, torch.Tensor],
-    x_full: torch.Tensor,
-    target_full: torch.Tensor,
-    variants: list[dict[str, Any]],
-    lr: float,
-) -> list[dict[str, Any]]:
-    """One SGD step of the sequence-parallel MLP per variant (``activation`` + layer kwargs);
-    loss = sum of squares of this rank's rows (the total loss is the sum over ranks)."""
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    import torch_xla.runtime as xr
-    from torch import nn
-
-    from xla_permute.layers import SequenceParallelMLP
-
-    rank, n, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
-    acts = {"relu": nn.functional.relu, "gelu": nn.functional.gelu}
-    fc1 = nn.Linear(*fc1_state["weight"].shape[::-1])
-    fc2 = nn.Linear(*fc2_state["weight"].shape[::-1])
-    fc1.load_state_dict(fc1_state)
-    fc2.load_state_dict(fc2_state)
-    x = x_full.chunk(n, dim=1)[rank].to(device)
-    target = target_full.chunk(n, dim=1)[rank].to(device)
-    outs = []
-    for variant in variants:
-        kwargs = {k: v for k, v in variant.items() if k != "activation"}
-        mlp = SequenceParallelMLP.from_mlp(fc1, fc2, acts[variant["activation"]], **kwargs)
-        mlp = mlp.to(device)
-        loss = ((mlp(x) - target) ** 2).sum()
-        loss.backward()
-        grads = {name: p.grad for name, p in mlp.named_parameters()}
-        with torch.no_grad():
-            for p in mlp.parameters():
-                p -= lr * p.grad
-        outs.append({"loss": loss, "grads": grads, "params": dict(mlp.named_parameters())})
-    xm.mark_step()
-    return [
-        {
-            "loss": o["loss"].detach(),
-            "grads": {k: v.detach() for k, v in o["grads"].items()},
-            "params": {k: v.detach() for k, v in o["params"].items()},
-        }
-        for o in outs
-    ]
-
-
 def _error(call: Any) -> str:
     try:
         call()
@@ -126,13 +78,6 @@ def matmul_errors() -> dict[str, str]:
 def matmul_suite(cases: list[dict[str, Any]]) -> dict[str, Any]:
     """The error checks first (they must not issue a collective), then every case."""
     return {"errors": matmul_errors(), "cases": matmul_cases(cases)}
-
-
-def traced_hlos(specs: list[dict[str, Any]]) -> list[str]:
-    """HLO text of each ``tracing.matmul_hlo(**spec)``, traced on this rank, never run."""
-    from xla_permute.tracing import matmul_hlo
-
-    return [matmul_hlo(**spec) for spec in specs]
 
 
 def collectives_roundtrip(xs: torch.Tensor, gs_gather: torch.Tensor, gs_sum: torch.Tensor):

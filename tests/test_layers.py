@@ -7,11 +7,11 @@ error of 1e-6 of the largest entry (float32 has a 6e-8 unit roundoff; the sums h
 """
 
 import pytest
-import ranks_matmul
 import torch
 from torch import nn
 
 from xla_permute import run_on_mesh
+from xla_permute.examples import mlp_train_step
 from xla_permute.layers import ColumnParallelLinear, RowParallelLinear
 
 H, F, B, S, N = 8, 16, 2, 8, 4
@@ -36,7 +36,7 @@ def run():
             p.copy_(_int_like(p, g))
     x, target = _int_like(torch.empty(B, S, H), g), _int_like(torch.empty(B, S, H), g)
     per_rank = run_on_mesh(
-        ranks_matmul.mlp_train_step, fc1.state_dict(), fc2.state_dict(), x, target, VARIANTS,
+        mlp_train_step, fc1.state_dict(), fc2.state_dict(), x, target, VARIANTS,
         LR, n=N,
     )  # fmt: skip
     return fc1, fc2, x, target, per_rank

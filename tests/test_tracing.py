@@ -5,10 +5,10 @@ no all-gather or all-reduce, N dots, and every permute has a dot that does not w
 """
 
 import pytest
-import ranks_matmul
 
 from xla_permute import hlo, run_on_mesh
 from xla_permute.pairs import ring_pairs
+from xla_permute.tracing import matmul_hlos
 
 N = 4
 SPECS = [
@@ -26,7 +26,7 @@ SPECS = [
 @pytest.fixture(scope="module")
 def programs():
     specs = [dict(spec, m=4, k=8, f=16) for spec in SPECS]
-    per_rank = run_on_mesh(ranks_matmul.traced_hlos, specs, n=N)
+    per_rank = run_on_mesh(matmul_hlos, specs, n=N)
     return [[hlo.parse(text) for text in texts] for texts in per_rank]
 
 

@@ -17,6 +17,7 @@ import torch
 
 from xla_permute import examples
 from xla_permute.launch import run_on_mesh
+from xla_permute.pipeline import demo_step, verify_demo_step
 
 __all__ = ["CHECKS", "Check", "Row", "format_table", "run_checks"]
 
@@ -54,6 +55,48 @@ CHECKS: list[Check] = [
         "upstream xm.all_gather",
         examples.all_gather_ranks,
         _verify_all_gather,
+    ),
+    Check(
+        "pipeline step vs single device",
+        "emulated stage shifts",
+        demo_step,
+        verify_demo_step,
+    ),
+    Check(
+        "permute: ring shift + open chain (zero fill) vs reference",
+        "emulated",
+        examples.permute_demo_forward,
+        examples.verify_permute_demo_forward,
+    ),
+    Check(
+        "permute backward vs reference autograd",
+        "emulated",
+        examples.permute_demo_backward,
+        examples.verify_permute_demo_backward,
+    ),
+    Check(
+        "all_gather_matmul uni+bi, fwd+bwd vs all-gather + matmul",
+        "emulated",
+        examples.all_gather_matmul_demo,
+        examples.verify_matmul_demo,
+    ),
+    Check(
+        "matmul_reduce_scatter uni+bi, fwd+bwd vs matmul + reduce-scatter",
+        "emulated",
+        examples.matmul_reduce_scatter_demo,
+        examples.verify_matmul_demo,
+    ),
+    Check(
+        "collective matmul HLO: N-1 permutes, overlappable dots",
+        "native (traced, not run)",
+        examples.collective_matmul_demo_hlo,
+        examples.verify_collective_matmul_demo_hlo,
+    ),
+    Check(
+        "permute HLO: one collective-permute, ring pairs",
+        "native (traced, not run)",
+        examples.permute_demo_native_hlo,
+        examples.verify_permute_demo_native_hlo,
     ),
 ]
 

@@ -127,19 +127,27 @@ def collective_permute(
             Empty pairs mean every rank receives zeros (no collective is issued).
         groups: replica groups that partition the ranks, all of one size; ``pairs`` are then
             group-local and apply in every group. ``None``: one group of all ranks.
-        backend: ``"native"``, ``"emulated"`` or ``"auto"`` (see the module docstring).
+        backend: ``"native"``, ``"emulated"`` or ``"auto"`` (see the module docstring). The
+            native backend also applies the hardware's rules to the pairs, which may raise or
+            warn (:func:`xla_permute.hardware.check_pairs`: open chains on Neuron).
 
     Returns:
         ``y`` with ``y = x_s`` on rank ``t`` for each pair ``(s, t)``, zeros on ranks that are
         no pair's target. Backward: ``grad_x = collective_permute(grad_y, inverse pairs)``.
 
     Raises:
-        TypeError, ValueError: bad ``x``, ``pairs``, ``groups`` or ``backend``, before any
-        collective is issued; the message names the offending value and what is allowed.
+        TypeError: ``x`` is not a tensor, or ``pairs``/``groups`` are malformed.
+        ValueError: ``x`` is not on an XLA device, or bad ids, duplicates, groups or backend.
+            Every check runs before any collective is issued; the message names the
+            offending value and what is allowed.
     """
+    check_xla_tensor(x)
+    chosen = resolve_backend(backend)  # a bad x or backend raises before torch_xla is imported
     import torch_xla.runtime as xr
 
-    check_xla_tensor(x)
-    chosen = resolve_backend(backend)
     checked = global_pairs(pairs, groups, xr.world_size())
+    if chosen == "native":  # the hardware's rules (xla_permute.hardware); emulated runs anything
+        from xla_permute.hardware import check_pairs as check_for_hardware
+
+        check_for_hardware(xr.device_type(), checked, xr.world_size(), dtype=x.dtype)
     return _CollectivePermute.apply(x, checked, chosen)

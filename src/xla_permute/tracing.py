@@ -12,7 +12,13 @@ from typing import Literal
 
 import torch
 
-__all__ = ["MATMUL_OPS", "discard_traced_collectives", "matmul_hlo", "matmul_program"]
+__all__ = [
+    "MATMUL_OPS",
+    "discard_traced_collectives",
+    "matmul_hlo",
+    "matmul_hlos",
+    "matmul_program",
+]
 
 MatmulOp = Literal["all_gather_matmul", "matmul_reduce_scatter", "all_gather_then_matmul",
                    "matmul_then_reduce_scatter"]  # fmt: skip
@@ -82,3 +88,8 @@ def matmul_hlo(op: MatmulOp, m: int, k: int, f: int, **kwargs: object) -> str:
     text = torch_xla._XLAC._get_xla_tensors_hlo(matmul_program(op, m, k, f, **kwargs))
     discard_traced_collectives()
     return text
+
+
+def matmul_hlos(specs: list[dict[str, object]]) -> list[str]:
+    """:func:`matmul_hlo` for each spec (its keyword arguments), each program standing alone."""
+    return [matmul_hlo(**spec) for spec in specs]  # type: ignore[arg-type]

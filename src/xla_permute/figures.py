@@ -1,0 +1,259 @@
+"""Figures for the docs, drawn from the package's own data with matplotlib (Agg, no pyplot).
+
+Figure functions return a ``matplotlib.figure.Figure``; made with :func:`new_figure` it is a
+:class:`DisplayFigure`, which a notebook shows as a PNG without pyplot. A script saves either
+with ``fig.savefig(path)``. Nothing here touches an XLA device.
+
+>>> fig = pairs_figure([(0, 1), (1, 0), (2, 2)], n=4)   # a swap and a fixed point
+>>> arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
+>>> len(arrows), [t.get_text() for t in fig.axes[0].texts].count("zeros")   # rank 3 gets zeros
+(3, 1)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from io import BytesIO
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
+
+from xla_permute.pairs import PairsLike, check_groups, global_pairs
+
+__all__ = [
+    "DisplayFigure",
+    "new_figure",
+    "pairs_figure",
+    "pipeline_schedule_figure",
+    "ring_schedule_figure",
+]
+
+_GROUP_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
+_ZERO_COLOR = "#9a9a9a"
+
+
+class DisplayFigure(Figure):
+    """A Figure that Jupyter shows as a PNG by itself (no pyplot, no inline backend needed)."""
+
+    def _repr_png_(self) -> bytes:
+        buf = BytesIO()
+        self.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+        return buf.getvalue()
+
+
+def new_figure(**kwargs: Any) -> DisplayFigure:
+    """A :class:`DisplayFigure` with an Agg canvas; ``kwargs`` go to ``Figure``."""
+    fig = DisplayFigure(**kwargs)
+    FigureCanvasAgg(fig)
+    return fig
+
+
+def _box(ax, x: float, y: float, text: str, color: str, filled: bool) -> None:
+    ax.add_patch(
+        FancyBboxPatch(
+            (x - 0.36, y - 0.17),
+            0.72,
+            0.34,
+            boxstyle="round,pad=0.02",
+            facecolor=color if filled else "white",
+            edgecolor=color,
+            linewidth=1.5,
+            linestyle="-" if filled else "--",
+        )
+    )
+    ax.text(x, y, text, ha="center", va="center", fontsize=9, color="white" if filled else color)
+
+
+def pairs_figure(
+    pairs: PairsLike,
+    n: int | None = None,
+    *,
+    groups: Sequence[Sequence[int]] | None = None,
+    title: str | None = None,
+    received: Sequence[str] | None = None,
+) -> DisplayFigure:
+    """Who sends to whom: senders on top, receivers below, one arrow per (global) pair.
+
+    Args:
+        pairs: ``(source, target)`` pairs, group-local when ``groups`` is given (checked as
+            :func:`xla_permute.collective_permute` checks them).
+        n: number of ranks; default: the ranks covered by ``groups``, else the largest id + 1.
+        groups: replica groups; arrows are coloured by group.
+        title: the figure title (say which backend produced any numbers shown).
+        received: optional per-rank text printed under each receiver (e.g. the values it got).
+
+    A receiver that is no pair's target is drawn dashed and grey: it receives zeros.
+    """
+    checked_pairs = list(pairs)
+    if n is None:
+        if groups is not None:
+            n = sum(len(g) for g in groups)
+        else:
+            ids = [int(r) for pair in checked_pairs for r in pair]
+            n = max(ids, default=0) + 1
+    glob = global_pairs(checked_pairs, groups, n)
+    group_of = {r: i for i, g in enumerate(check_groups(groups, n)) for r in g}
+    if received is not None and len(received) != n:
+        raise ValueError(f"received must have one entry per rank ({n}), got {len(received)}")
+
+    fig = new_figure(figsize=(1.3 * n + 1.2, 2.9 if received is None else 3.3))
+    ax = fig.add_subplot()
+    top, bottom = 1.0, 0.0
+    targets = {t for _, t in glob}
+    multi = len(set(group_of.values())) > 1
+    for r in range(n):
+        color = _GROUP_COLORS[group_of[r] % len(_GROUP_COLORS)] if multi else _GROUP_COLORS[0]
+        _box(ax, r, top, f"rank {r}", color, filled=True)
+        if r in targets:
+            _box(ax, r, bottom, f"rank {r}", color, filled=True)
+        else:
+            _box(ax, r, bottom, f"rank {r}", _ZERO_COLOR, filled=False)
+            ax.text(r, bottom - 0.3, "zeros", ha="center", va="top", fontsize=8, color=_ZERO_COLOR)
+        if received is not None:
+            ax.text(r, bottom - 0.52, received[r], ha="center", va="top", fontsize=8)
+    for s, t in glob:
+        color = _GROUP_COLORS[group_of[s] % len(_GROUP_COLORS)] if multi else "black"
+        ax.add_patch(
+            FancyArrowPatch(
+                (s, top - 0.19),
+                (t, bottom + 0.19),
+                arrowstyle="-|>",
+                mutation_scale=12,
+                color=color,
+                linewidth=1.3,
+                shrinkA=0,
+                shrinkB=0,
+            )
+        )
+    if multi:
+        handles = [
+            Patch(color=_GROUP_COLORS[i % len(_GROUP_COLORS)], label=f"group {list(g)}")
+            for i, g in enumerate(check_groups(groups, n))
+        ]
+        ax.legend(handles=handles, loc="lower left", fontsize=8, frameon=False)
+    ax.text(-0.6, top, "x (sends)", ha="right", va="center", fontsize=9)
+    ax.text(-0.6, bottom, "y (receives)", ha="right", va="center", fontsize=9)
+    ax.set_xlim(-1.9, n - 0.5)
+    ax.set_ylim(-0.95 if received is not None else -0.6, 1.35)
+    ax.set_axis_off()
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def pipeline_schedule_figure(schedule, *, title: str | None = None) -> Figure:
+    """A GPipe schedule as a grid: stages (rows) by ticks (columns), forward then backward.
+
+    Args:
+        schedule: a :class:`xla_permute.pipeline.Schedule` (e.g. from
+            :func:`xla_permute.pipeline.gpipe_schedule`), the one the pipeline code iterates.
+        title: the figure title.
+
+    Cell ``F m`` / ``B m``: the stage runs micro-batch ``m`` forward / backward at that tick;
+    blank: idle (the bubble). A dashed line between two ticks is one stage shift: ``+1``
+    (forward, every stage to the next) or ``-1`` (backward, the opposite shift).
+
+    >>> from xla_permute.pipeline import gpipe_schedule
+    >>> fig = pipeline_schedule_figure(gpipe_schedule(4, 4))
+    >>> labels = [t.get_text() for t in fig.axes[0].texts]
+    >>> labels.count("F 0"), labels.count("B 3"), labels.count("+1"), labels.count("-1")
+    (4, 4, 6, 6)
+    """
+    from matplotlib.patches import Rectangle
+
+    forward, backward = schedule.forward, schedule.backward
+    columns = [("F", tick) for tick in forward] + [("B", tick) for tick in backward]
+    n_fwd, stages = len(forward), schedule.stages
+    fig = new_figure(figsize=(0.5 * len(columns) + 1.6, 0.5 * stages + 1.3))
+    ax = fig.add_subplot()
+    colors = {"F": "#1f77b4", "B": "#ff7f0e"}
+    gap = 0.6  # between the forward and the backward half
+    for c, (kind, tick) in enumerate(columns):
+        x = c + (gap if kind == "B" else 0.0)
+        for s, m in enumerate(tick):
+            y = stages - 1 - s
+            busy = m is not None
+            ax.add_patch(
+                Rectangle(
+                    (x, y),
+                    0.92,
+                    0.86,
+                    facecolor=colors[kind] if busy else "white",
+                    edgecolor=colors[kind] if busy else "#cccccc",
+                    alpha=0.35 + 0.65 * (m + 1) / schedule.micro_batches if busy else 1.0,
+                )
+            )
+            if busy:
+                ax.text(x + 0.46, y + 0.43, f"{kind} {m}", ha="center", va="center", fontsize=8)
+    shifts = [(t + 1, "+1") for t in range(n_fwd - 1)]
+    shifts += [(n_fwd + t + 1 + gap, "-1") for t in range(len(backward) - 1)]
+    if stages > 1:
+        for x, label in shifts:
+            ax.plot([x - 0.04, x - 0.04], [-0.1, stages - 0.1], ls="--", lw=0.8, color="#555555")
+            ax.text(x - 0.04, -0.35, label, ha="center", va="center", fontsize=7)
+    ax.set_yticks([stages - 1 - s + 0.43 for s in range(stages)])
+    ax.set_yticklabels([f"stage {s}" for s in range(stages)], fontsize=8)
+    ax.set_xticks([c + 0.46 + (gap if c >= n_fwd else 0.0) for c in range(len(columns))])
+    ax.set_xticklabels([str(c if c < n_fwd else c - n_fwd) for c in range(len(columns))])
+    ax.tick_params(axis="x", labelsize=7)
+    ax.set_xlabel("forward ticks  |  backward ticks", fontsize=8)
+    ax.set_xlim(-0.2, len(columns) + gap + 0.1)
+    ax.set_ylim(-0.6, stages)
+    for side in ("top", "right", "left", "bottom"):
+        ax.spines[side].set_visible(False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    fig.tight_layout()
+    return fig
+
+
+def ring_schedule_figure(n: int, kind: str = "all_gather", bidirectional: bool = False) -> Figure:
+    """Collective matmul's schedule: which block each rank multiplies at each step.
+
+    Drawn from :func:`xla_permute.schedule.all_gather_schedule` (``kind="all_gather"``: the x
+    block ``x_j`` of rank j) or :func:`~xla_permute.schedule.reduce_scatter_schedule`
+    (``kind="reduce_scatter"``: the contribution to output block ``y_j``), the schedules the
+    code runs. Arrows under a cell show the permutes issued in that step (to rank r+1 / r-1).
+
+    >>> fig = ring_schedule_figure(4, bidirectional=True)
+    >>> sorted(t.get_text() for t in fig.axes[0].texts if t.get_text().startswith("x"))[:3]
+    ['x0', 'x0', 'x0']
+    """
+    from matplotlib import colormaps
+
+    from xla_permute.schedule import all_gather_schedule, reduce_scatter_schedule
+
+    if kind not in ("all_gather", "reduce_scatter"):
+        raise ValueError(f"kind must be 'all_gather' or 'reduce_scatter', got {kind!r}")
+    schedule = all_gather_schedule if kind == "all_gather" else reduce_scatter_schedule
+    letter = "x" if kind == "all_gather" else "y"
+    steps = [schedule(n, r, bidirectional) for r in range(n)]
+    colors = colormaps["tab10"]
+    fig = new_figure(figsize=(1.3 * len(steps[0]) + 1.2, 0.75 * n + 1.0))
+    ax = fig.add_subplot()
+    for r, rank_steps in enumerate(steps):
+        for step in rank_steps:
+            width = 0.8 / len(step.blocks)
+            for i, block in enumerate(step.blocks):
+                x0 = step.step - 0.4 + i * width
+                ax.add_patch(FancyBboxPatch((x0 + 0.02, r - 0.28), width - 0.04, 0.4,
+                                            boxstyle="round,pad=0.01", facecolor=colors(block % 10),
+                                            edgecolor="none", alpha=0.85))  # fmt: skip
+                ax.text(x0 + width / 2, r - 0.08, f"{letter}{block}", ha="center", va="center",
+                        color="white", fontsize=9, fontweight="bold")  # fmt: skip
+            sends = " ".join("\u2193 r+1" if d == 1 else "\u2191 r-1" for d in step.sends)
+            ax.text(step.step, r + 0.3, sends, ha="center", va="center", fontsize=7, color="0.3")
+    ax.set_xlim(-0.6, len(steps[0]) - 0.4)
+    ax.set_ylim(n - 0.4, -0.6)
+    ax.set_xticks(range(len(steps[0])), [f"step {t}" for t in range(len(steps[0]))])
+    ax.set_yticks(range(n), [f"rank {r}" for r in range(n)])
+    ax.tick_params(length=0)
+    for spine in ax.spines.values():
+        spine.set_visible(False)
+    what = "all-gather-matmul" if kind == "all_gather" else "matmul-reduce-scatter"
+    ax.set_title(f"{what}, {'bi' if bidirectional else 'uni'}directional, N={n} "
+                 f"(from xla_permute.schedule)", fontsize=10)  # fmt: skip
+    return fig
