@@ -1,0 +1,271 @@
+"""xla_permute.hardware without a mesh: caveats, pair checks, detection, the TPU recipe, dumps.
+
+The mesh evidence behind the caveats (HLO of pinned and unpinned collectives, the flag read at
+the first compile, XLA dumps) runs in tutorials/04_hardware_caveats.md.
+"""
+
+import os
+import warnings
+
+import pytest
+import torch
+
+from xla_permute import hardware
+from xla_permute.hardware import HardwareWarning, caveats, check_pairs, requires_complete_rings
+
+# ------------------------------------------------------------------------------------ caveats
+
+
+def test_every_caveat_is_complete_and_sourced():
+    ids = [c.id for c in caveats()]
+    assert len(ids) == len(set(ids))
+    for c in caveats():
+        assert c.severity in hardware.SEVERITIES, c.id
+        assert c.applies_to and c.summary and c.what_goes_wrong and c.library_action, c.id
+        assert all(url.startswith("https://") for url in c.sources), c.id
+        # every claim is cited or executed here: no sources means a tutorial runs it
+        assert c.sources or "tutorial" in c.evidence, c.id
+        assert c.id in c.format() and all(url in c.format() for url in c.sources)
+
+
+@pytest.mark.parametrize(
+    "device_type, required",
+    [
+        ("TPU", {"tpu-collective-matmul-flag", "tpu-libtpu-overlap-flags", "pin-layout"}),
+        (
+            "NEURON",
+            {
+                "neuron-complete-rings",
+                "neuron-inactive-ranks",
+                "neuron-no-64bit",
+                "neuron-pin-layout-false",
+                "neuron-xla-training-ended",
+                "pin-layout",
+            },
+        ),
+        ("CPU", {"cpu-thread-pool", "cpu-channel-ids", "pin-layout"}),
+        ("CUDA", {"gpu-removed", "pin-layout"}),
+    ],
+)
+def test_caveats_cover_the_issue_list(device_type, required):
+    assert {c.id for c in caveats(device_type)} == required
+
+
+def test_collective_matmul_caveat_names_the_collective_arguments():
+    (flag,) = [c for c in caveats("TPU") if c.id == "tpu-collective-matmul-flag"]
+    for needed in ("pin_layout=False", "channel_id", "use_global_device_ids=True", "once"):
+        assert needed in flag.what_goes_wrong
+
+
+def test_caveat_device_type_names():
+    assert caveats("neuron") == caveats("NEURON") == caveats("NEURON_0")
+    assert not [c for c in caveats("TPU") if c.id.startswith(("neuron", "cpu", "gpu"))]
+    assert caveats("GPU") == caveats("CUDA")
+    for bad in (3, ""):
+        with pytest.raises(TypeError, match="device_type must be"):
+            caveats(bad)
+
+
+def test_requires_complete_rings():
+    assert requires_complete_rings("NEURON") and requires_complete_rings("neuron")
+    assert not requires_complete_rings("TPU") and not requires_complete_rings("CPU")
+
+
+# -------------------------------------------------------------------------------- pair checks
+
+
+def _no_warnings(*args, **kwargs):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_pairs(*args, **kwargs)
+
+
+def test_rings_are_fine_on_neuron():
+    _no_warnings("NEURON", [(0, 1), (1, 2), (2, 3), (3, 0)], 4)
+    _no_warnings("NEURON", [(0, 1), (1, 0), (2, 3), (3, 2)], 4, dtype=torch.bfloat16)
+    _no_warnings("NEURON", [(0, 0), (1, 1)], 2)  # self pairs are cycles of length one
+    _no_warnings("NEURON", [], 4)  # no collective is issued
+
+
+def test_open_chain_is_refused_on_neuron_with_the_fix():
+    with pytest.raises(ValueError, match=r"open chain 0 -> 1 -> 2 -> 3") as e:
+        check_pairs("NEURON", [(0, 1), (1, 2), (2, 3)], 4)
+    assert "add pair (3, 0) and discard the value rank 0" in str(e.value)
+    with pytest.raises(ValueError) as e:
+        check_pairs("NEURON", [(0, 1), (2, 3)], 4)
+    assert "add pair (1, 0)" in str(e.value) and "add pair (3, 2)" in str(e.value)
+
+
+def test_idle_ranks_and_64_bit_warn_on_neuron():
+    with pytest.warns(HardwareWarning, match=r"ranks \[2, 3\] are in no pair"):
+        check_pairs("NEURON", [(0, 1), (1, 0)], 4)
+    for dtype in (torch.int64, torch.float64, "int64"):
+        with pytest.warns(HardwareWarning, match="64-bit"):
+            check_pairs("NEURON", [(0, 1), (1, 0)], 2, dtype=dtype)
+    assert issubclass(HardwareWarning, UserWarning)
+
+
+@pytest.mark.parametrize("device_type", ["CPU", "TPU"])
+def test_other_backends_run_any_partial_permutation(device_type):
+    _no_warnings(device_type, [(0, 1), (1, 2)], 4, dtype=torch.int64)
+
+
+@pytest.mark.parametrize("device_type", ["CPU", "TPU", "NEURON"])
+def test_invalid_pairs_raise_everywhere(device_type):
+    with pytest.raises(ValueError, match="duplicate target 1"):
+        check_pairs(device_type, [(0, 1), (2, 1)], 4)
+    with pytest.raises(ValueError, match="outside the group of 2"):
+        check_pairs(device_type, [(0, 2)], 2)
+
+
+class _FakeXlaTensor(torch.Tensor):
+    """A CPU tensor that reports an XLA device, so no XLA runtime starts in this process."""
+
+    @property
+    def device(self):
+        return torch.device("xla", 0)
+
+
+def test_collective_permute_consults_the_hardware_rules(monkeypatch):
+    import torch_xla.runtime as xr
+
+    from xla_permute import collective_permute
+
+    monkeypatch.setattr(xr, "world_size", lambda: 4)
+    monkeypatch.setattr(xr, "device_type", lambda: "NEURON")
+    x = torch.Tensor._make_subclass(_FakeXlaTensor, torch.zeros(2, 3))
+    with pytest.raises(ValueError, match=r"NEURON runs only .* add pair \(1, 0\)"):
+        collective_permute(x, [(0, 1)], backend="native")
+    with pytest.raises(ValueError, match=r"add pair \(1, 0\)"):  # group-local pairs, globalised
+        collective_permute(x, [(0, 1)], groups=[[0, 1], [2, 3]], backend="native")
+
+
+# ---------------------------------------------------------------------------------- detection
+
+
+def _clean_env(monkeypatch, **values):
+    for key in hardware._VARIABLES:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in values.items():
+        monkeypatch.setenv(key, value)
+
+
+def test_detect_cpu_from_the_configuration(monkeypatch):
+    import torch_xla
+
+    _clean_env(monkeypatch, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="3")
+    env = hardware.detect()
+    assert (env.device_type, env.device_count, env.source) == ("CPU", 3, "PJRT_DEVICE")
+    assert env.torch_xla_version == torch_xla.__version__
+    assert env.torch_version == torch.__version__.split("+")[0]
+    assert env.variables == {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": "3"}
+    assert not env.runtime_initialized
+    assert not torch_xla._XLAC._xla_runtime_is_initialized()  # run_on_mesh still works
+    assert "CPU (from PJRT_DEVICE)" in env.format()
+
+
+def test_detect_tpu_generation_and_neuron_cores(monkeypatch):
+    import torch_xla._internal.tpu as tpu
+
+    _clean_env(monkeypatch, PJRT_DEVICE="TPU", TPU_ACCELERATOR_TYPE="v5litepod-8")
+    env = hardware.detect()
+    assert (env.device_type, env.tpu_generation) == ("TPU", "v5litepod")
+    assert env.device_count == (tpu.num_available_chips() or None)
+    _clean_env(monkeypatch, PJRT_DEVICE="NEURON", NEURON_RT_VISIBLE_CORES="0-3,8")
+    env = hardware.detect()
+    assert (env.device_type, env.device_count, env.tpu_generation) == ("NEURON", 5, None)
+
+
+def test_collective_signatures_of_the_installed_torch_xla():
+    sigs = {s.name: s for s in hardware.collective_signatures()}
+    assert sigs["collective_permute"].pin_layout_default is None
+    pinned = {name for name, s in sigs.items() if s.pin_layout_default}
+    assert pinned == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
+                      "collective_broadcast"}  # fmt: skip
+    assert {n for n, s in sigs.items() if s.takes_channel_id} == {"all_gather", "reduce_scatter"}
+
+
+# ---------------------------------------------------------------------------------- TPU recipe
+
+
+def test_tpu_setup_as_data():
+    setup = hardware.tpu_collective_matmul_setup(dump_dir="/tmp/d", windowed_einsum_threshold_mib=0)
+    assert setup.env["ENABLE_COLLECTIVE_MATMUL_IN_MP"] == "1"
+    flags = setup.env["LIBTPU_INIT_ARGS"].split()
+    assert "--xla_enable_async_collective_permute=true" in flags
+    assert "--xla_jf_spmd_threshold_for_windowed_einsum_mib=0" in flags
+    assert setup.env["XLA_FLAGS"] == "--xla_dump_to=/tmp/d --xla_dump_hlo_as_text"
+    assert setup.kwargs(2, [[0, 1, 2, 3]]) == {
+        "pin_layout": False,
+        "use_global_device_ids": True,
+        "channel_id": 2,
+        "groups": [[0, 1, 2, 3]],
+    }
+    for bad in (0, -1, True, "1"):
+        with pytest.raises(ValueError, match="channel_id must be a positive int"):
+            setup.kwargs(bad, [[0, 1]])
+    with pytest.raises(ValueError, match="windowed_einsum_threshold_mib"):
+        hardware.tpu_collective_matmul_setup(windowed_einsum_threshold_mib=-1)
+
+
+def test_tpu_setup_apply_merges_flags_and_problems_reports():
+    setup = hardware.tpu_collective_matmul_setup()
+    environ = {
+        "PJRT_DEVICE": "TPU",
+        "LIBTPU_INIT_ARGS": "--xla_enable_async_collective_permute=false --xla_other=1",
+    }
+    assert any("ENABLE_COLLECTIVE_MATMUL_IN_MP is unset" in p for p in setup.problems(environ))
+    setup.apply(environ)
+    flags = environ["LIBTPU_INIT_ARGS"].split()
+    assert flags[:2] == ["--xla_enable_async_collective_permute=false", "--xla_other=1"]
+    assert len(flags) == 2 + len(hardware._OVERLAP_FLAGS) - 1  # the user's own value kept
+    assert environ["ENABLE_COLLECTIVE_MATMUL_IN_MP"] == "1"
+    problems = setup.problems(environ)
+    assert problems == ["LIBTPU_INIT_ARGS lacks --xla_enable_async_collective_permute=true"]
+    assert "not TPU" in setup.problems({**environ, "PJRT_DEVICE": "CPU"})[0]
+
+
+def test_tpu_setup_refuses_after_the_first_compile(monkeypatch):
+    monkeypatch.setattr(hardware, "_compiled_in_this_process", lambda: True)
+    setup = hardware.tpu_collective_matmul_setup()
+    with pytest.raises(RuntimeError, match="before the first compile"):
+        setup.apply()
+    assert "ENABLE_COLLECTIVE_MATMUL_IN_MP" not in os.environ
+    assert any("compiled already" in p for p in setup.problems({"PJRT_DEVICE": "TPU"}))
+
+
+_BEFORE = """HloModule m
+ENTRY %main (p0: f32[2,3], p1: f32[3,4]) -> f32[8,4] {
+  %p0 = f32[2,3]{1,0} parameter(0)
+  %p1 = f32[3,4]{1,0} parameter(1)
+  %all-gather.1 = f32[8,3]{1,0} all-gather(f32[2,3]{1,0} %p0), channel_id=1, replica_groups={{0,1,2,3}}, dimensions={0}, use_global_device_ids=true
+  ROOT %dot.2 = f32[8,4]{1,0} dot(f32[8,3]{1,0} %all-gather.1, f32[3,4]{1,0} %p1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+"""  # noqa: E501
+_REWRITTEN = """HloModule m
+%body (t: (f32[2,3])) -> (f32[2,3]) {
+  %t = (f32[2,3]{1,0}) parameter(0)
+  %x = f32[2,3]{1,0} get-tuple-element((f32[2,3]{1,0}) %t), index=0
+  %collective-permute-start.1 = (f32[2,3]{1,0}, f32[2,3]{1,0}) collective-permute-start(f32[2,3]{1,0} %x), channel_id=2, source_target_pairs={{0,1},{1,2},{2,3},{3,0}}
+  ROOT %r = (f32[2,3]{1,0}) tuple(f32[2,3]{1,0} %x)
+}
+ENTRY %main (p0: f32[2,3]) -> (f32[2,3]) {
+  %p0 = f32[2,3]{1,0} parameter(0)
+  %tuple = (f32[2,3]{1,0}) tuple(f32[2,3]{1,0} %p0)
+  ROOT %decomposed_all_gather_while = (f32[2,3]{1,0}) while((f32[2,3]{1,0}) %tuple), body=%body
+}
+"""  # noqa: E501
+
+
+def test_read_dump_tells_rewritten_from_not(tmp_path):
+    (tmp_path / "module_0000.g.1.before_optimizations.txt").write_text(_BEFORE)
+    (tmp_path / "module_0000.g.1.tpu_after_optimizations.txt").write_text(_REWRITTEN)
+    (tmp_path / "module_0001.g.1.before_optimizations.txt").write_text(_BEFORE)
+    (tmp_path / "module_0001.g.1.cpu_after_optimizations.txt").write_text(_BEFORE)
+    (tmp_path / "module_0002.g.1.before_optimizations.txt").write_text(_BEFORE)  # no after
+    rewritten, kept = hardware.read_dump(tmp_path)
+    assert (rewritten.module, kept.module) == ("module_0000.g.1", "module_0001.g.1")
+    assert rewritten.rewritten and not kept.rewritten
+    assert rewritten.after["collective-permute"] == 1 and rewritten.after["while"] == 1
+    assert rewritten.decomposed == ("decomposed_all_gather_while",)
+    assert kept.after["all-gather"] == kept.before["all-gather"] == 1 and kept.after["dot"] == 1
