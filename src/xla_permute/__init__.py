@@ -14,6 +14,8 @@ from xla_permute.pairs import (
     ring_pairs,
 )
 from xla_permute.permute import collective_permute
+from xla_permute.pipeline import gpipe_schedule, pipeline_forward
+from xla_permute.shift import stage_shift
 
 __all__ = [
     "MeshError",
@@ -23,9 +25,12 @@ __all__ = [
     "collective_permute",
     "decompose",
     "forms_complete_rings",
+    "gpipe_schedule",
     "inverse_pairs",
     "is_ring",
+    "pipeline_forward",
     "ring_pairs",
     "run_on_mesh",
+    "stage_shift",
 ]
 __version__ = "0.1.0"

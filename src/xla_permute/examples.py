@@ -108,9 +108,14 @@ def collective_hlo() -> dict[str, str]:
         channel_id=1,
         use_global_device_ids=True,
     )
-    without_channel = xm.all_reduce(xm.REDUCE_SUM, x)
+    from xla_permute.tracing import discard_traced_collectives
+
     hlo = torch_xla._XLAC._get_xla_tensors_hlo
-    return {"all_gather": hlo([with_channel]), "all_reduce": hlo([without_channel])}
+    gather_text = hlo([with_channel])
+    discard_traced_collectives()  # each program stands alone (no token from the other)
+    reduce_text = hlo([xm.all_reduce(xm.REDUCE_SUM, x)])
+    discard_traced_collectives()
+    return {"all_gather": gather_text, "all_reduce": reduce_text}
 
 
 # --- CollectivePermute (tutorial 02 and the demo) -------------------------------------------
@@ -250,7 +255,8 @@ def verify_permute_demo_native_hlo(results: list[str]) -> None:
 def permute_errors(pairs: Any) -> dict[str, str]:
     """Where bad ``pairs`` fail: this package's check vs upstream ``xm.collective_permute``.
 
-    ``xla_permute``: the error :func:`xla_permute.collective_permute` raises at the call.
+    ``xla_permute``: the error :func:`~xla_permute.permute.collective_permute` raises at the
+    call.
     ``upstream``: ``xm.collective_permute`` traces the pairs unchecked; the error only comes
     from XLA's HLO verifier when the program is compiled (compiled here without running, with
     ``torch_xla._XLAC._xla_warm_up_cache``), i.e. at the next ``xm.mark_step`` in a real run.

@@ -1,0 +1,649 @@
+"""GPipe pipeline parallelism on stage shifts: the schedule as data, the tick loop, the checks.
+
+A pipeline of ``S`` stages runs one stage per rank. ``M`` micro-batches flow through it in
+``M + S - 1`` forward *ticks*: at tick ``t`` stage ``s`` works on micro-batch ``t - s`` (when
+``0 <= t - s < M``, else it idles), then every stage hands its activation to the next stage at
+once with one :func:`~xla_permute.shift.stage_shift`. The backward is autograd through the
+same ticks in reverse: the backward of each shift is the opposite shift, so the gradients flow back
+stage by stage without any code of ours.
+
+SPMD: every rank runs the same tick loop and issues the same shifts in the same order (the
+lazy-tensor rule: a collective that one rank leaves out of its program blocks the others).
+Idle stages compute on whatever they hold and the results are masked out, with masks that are
+device data (never Python branches on the rank), so every rank traces the same program.
+
+>>> s = gpipe_schedule(stages=3, micro_batches=2)
+>>> s.forward
+((0, None, None), (1, 0, None), (None, 1, 0), (None, None, 1))
+>>> s.ticks, s.shifts, s.bubble_fraction
+(4, 3, 0.5)
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import importlib.util
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from xla_permute.permute import Backend, check_xla_tensor, resolve_backend
+from xla_permute.shift import resolve_wrap, stage_shift
+
+__all__ = [
+    "BackendCall",
+    "Schedule",
+    "StepCost",
+    "compare_with_single_device",
+    "demo_step",
+    "example_batch",
+    "gpipe_schedule",
+    "mlp_pipeline_cases",
+    "mlp_stage",
+    "mlp_stage_params",
+    "pipeline_forward",
+    "pipeline_groups",
+    "reference_step",
+    "sendrecv_code_path",
+    "shift_examples",
+    "step_cost",
+    "traced_step_programs",
+    "verify_demo_step",
+]
+
+Tick = tuple[int | None, ...]
+
+
+# --------------------------------------------------------------------------------------------
+# The schedule, as data
+# --------------------------------------------------------------------------------------------
+
+
+def _check_count(value: object, name: str, fix: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < 1:
+        raise ValueError(f"{name}={value} is below 1; {fix}")
+    return value
+
+
+@dataclass(frozen=True)
+class Schedule:
+    """A GPipe schedule: which micro-batch each stage works on at each tick.
+
+    ``forward[t][s]`` is the micro-batch stage ``s`` runs forward at tick ``t`` (``None``:
+    idle); ``backward[t][s]`` the same for the backward ticks, which mirror the forward ones
+    (the last stage starts with the last micro-batch). :func:`pipeline_forward` iterates over
+    ``forward``; the docs draw both.
+    """
+
+    stages: int
+    micro_batches: int
+    forward: tuple[Tick, ...]
+    backward: tuple[Tick, ...]
+
+    @property
+    def ticks(self) -> int:
+        """Forward ticks, ``M + S - 1``."""
+        return len(self.forward)
+
+    @property
+    def shifts(self) -> int:
+        """The number of stage shifts in the forward pass, ``M + S - 2`` (none for one stage).
+
+        There is one after every tick but the last; the backward issues as many again (the
+        opposite shifts).
+        """
+        return self.ticks - 1 if self.stages > 1 else 0
+
+    @property
+    def bubble_fraction(self) -> float:
+        """The share of stage-ticks spent idle (the bubble), ``(S - 1) / (M + S - 1)``."""
+        idle = sum(m is None for tick in self.forward for m in tick)
+        return idle / (self.ticks * self.stages)
+
+
+def gpipe_schedule(stages: int, micro_batches: int) -> Schedule:
+    """The GPipe schedule for ``stages`` stages and ``micro_batches`` micro-batches.
+
+    Forward tick ``t``: stage ``s`` runs micro-batch ``t - s`` if ``0 <= t - s < M``.
+    Backward tick ``t``: stage ``s`` runs micro-batch ``(T - 1 - t) - s`` (``T`` ticks).
+
+    >>> gpipe_schedule(2, 2).backward
+    ((None, 1), (1, 0), (0, None))
+    >>> gpipe_schedule(2, 0)
+    Traceback (most recent call last):
+    ...
+    ValueError: micro_batches=0 is below 1; ...
+    """
+    _check_count(stages, "stages", "a pipeline needs at least one stage")
+    _check_count(
+        micro_batches, "micro_batches", "pass at least one micro-batch (inputs.shape[0] >= 1)"
+    )
+    ticks = micro_batches + stages - 1
+
+    def tick(t: int) -> Tick:
+        return tuple(t - s if 0 <= t - s < micro_batches else None for s in range(stages))
+
+    forward = tuple(tick(t) for t in range(ticks))
+    return Schedule(stages, micro_batches, forward, tuple(reversed(forward)))
+
+
+def pipeline_groups(world_size: int, stages: int | None = None) -> tuple[tuple[int, ...], ...]:
+    """Split ``world_size`` ranks into pipelines of ``stages`` consecutive ranks.
+
+    ``stages=None``: one pipeline over all ranks. With fewer stages than ranks the pipelines
+    are data-parallel replicas: ranks ``[0..S-1]``, ``[S..2S-1]``, ...
+
+    >>> pipeline_groups(4), pipeline_groups(4, 2)
+    (((0, 1, 2, 3),), ((0, 1), (2, 3)))
+    >>> pipeline_groups(4, 3)
+    Traceback (most recent call last):
+    ...
+    ValueError: stages=3 does not divide the 4 ranks; ...
+    """
+    _check_count(world_size, "world_size", "the mesh has at least one rank")
+    if stages is None:
+        stages = world_size
+    _check_count(stages, "stages", "a pipeline needs at least one stage")
+    if world_size % stages:
+        divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
+        raise ValueError(
+            f"stages={stages} does not divide the {world_size} ranks; every pipeline needs "
+            f"one rank per stage, so use one of {divisors} (or stages=None for {world_size})"
+        )
+    return tuple(tuple(range(g, g + stages)) for g in range(0, world_size, stages))
+
+
+# --------------------------------------------------------------------------------------------
+# The tick loop
+# --------------------------------------------------------------------------------------------
+
+
+def pipeline_forward(
+    stage: Callable[[torch.Tensor], torch.Tensor],
+    inputs: torch.Tensor,
+    *,
+    stages: int | None = None,
+    wrap: bool | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Run the GPipe forward of this rank's ``stage`` over all micro-batches; differentiable.
+
+    Call it on every rank (SPMD), each with its own stage, then compute a loss from the result
+    and call ``backward()`` on **every** rank: the loss is zero away from the last stage, but
+    the backward shifts are collectives that all ranks must issue.
+
+    Args:
+        stage: this rank's stage, ``y = stage(x)`` with ``y.shape == x.shape`` (one
+            activation shape flows through the pipeline).
+        inputs: ``(M, *shape)``, the ``M`` micro-batches, on an XLA device. Only the first
+            stage reads the values; the other ranks pass any tensor of the same shape.
+        stages: stages per pipeline; must divide the world size (``None``: all ranks). With
+            fewer stages than ranks, consecutive blocks of ranks form independent pipelines.
+        wrap: the form of the stage shifts (see :func:`~xla_permute.shift.stage_shift`);
+            ``None`` follows the hardware rules.
+        backend: ``"auto"``, ``"native"`` or ``"emulated"``.
+
+    Returns:
+        ``(M, *shape)``: on the last stage, the pipeline's output for every micro-batch
+        (``stage_{S-1}(... stage_0(inputs[m]))``); zeros on the other stages. Backward:
+        through :func:`~xla_permute.shift.stage_shift`, whose backward is the opposite shift.
+
+    Raises:
+        TypeError: ``stage`` is not callable, ``wrap`` no bool (or None), ``stages`` no int.
+        ValueError: ``inputs`` is not on an XLA device or holds no micro-batch, ``stages``
+            does not divide the world size, ``backend`` is unknown, or the stage changes the
+            shape. Both are raised before any collective is issued, with the fix in the
+            message.
+    """
+    if not callable(stage):
+        raise TypeError(f"stage must be a callable x -> y, got {type(stage).__name__}")
+    check_xla_tensor(inputs, "inputs")
+    if inputs.dim() < 1 or inputs.shape[0] < 1:
+        raise ValueError(
+            f"inputs has shape {tuple(inputs.shape)}: its leading axis counts the "
+            f"micro-batches and must be at least 1; stack them as (M, *activation_shape)"
+        )
+    chosen = resolve_backend(backend)
+    import torch_xla.runtime as xr
+
+    ring = resolve_wrap(wrap, xr.device_type())
+    groups = pipeline_groups(xr.world_size(), stages)
+    n_stages = len(groups[0])
+    schedule = gpipe_schedule(n_stages, inputs.shape[0])
+    position = xr.global_ordinal() % n_stages
+    shift_groups = None if len(groups) == 1 else groups
+
+    # Device data, not traced constants: every rank traces the same program.
+    is_first = torch.tensor(position == 0).to(inputs.device)
+    is_last = torch.tensor(position == n_stages - 1).to(inputs.device)
+    zeros = torch.zeros_like(inputs[0])
+    received = zeros
+    outputs: list[torch.Tensor | None] = [None] * schedule.micro_batches
+    for t, tick in enumerate(schedule.forward):
+        fresh = inputs[tick[0]] if tick[0] is not None else zeros
+        x = torch.where(is_first, fresh, received)
+        y = stage(x)
+        if t == 0 and (not isinstance(y, torch.Tensor) or y.shape != x.shape):
+            got = tuple(y.shape) if isinstance(y, torch.Tensor) else type(y).__name__
+            raise ValueError(
+                f"stage returned {got} for an input of shape {tuple(x.shape)}; a pipeline "
+                f"stage must return a tensor of its input's shape (pad or project inside the "
+                f"stage)"
+            )
+        if tick[-1] is not None:  # the last stage finishes micro-batch tick[-1]
+            outputs[tick[-1]] = torch.where(is_last, y, zeros)
+        if t < schedule.ticks - 1 and n_stages > 1:
+            received = stage_shift(y, offset=1, wrap=ring, groups=shift_groups, backend=chosen)
+    return torch.stack(outputs)  # type: ignore[arg-type]
+
+
+# --------------------------------------------------------------------------------------------
+# A small MLP pipeline with integer-valued parameters, and its single-device reference
+# --------------------------------------------------------------------------------------------
+
+
+def mlp_stage_params(stage: int, dim: int = 4, hidden: int = 6) -> dict[str, torch.Tensor]:
+    """Deterministic parameters of stage ``stage``, entries in {-1, 0, 1} (float32).
+
+    ``w1: (dim, hidden)``, ``b1: (hidden,)``, ``w2: (hidden, dim)``, ``b2: (dim,)``.
+    Integer values keep every product and sum of the check exact in float32.
+    """
+    i, j = torch.arange(dim)[:, None], torch.arange(hidden)[None, :]
+    return {
+        "w1": ((i + 2 * j + 3 * stage) % 3 - 1).float(),
+        "b1": ((torch.arange(hidden) + stage) % 3 - 1).float(),
+        "w2": ((2 * j.T + i.T + stage) % 3 - 1).float(),
+        "b2": ((torch.arange(dim) + 2 * stage) % 3 - 1).float(),
+    }
+
+
+def mlp_stage(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
+    """One stage: ``relu(x @ w1 + b1) @ w2 + b2``; ``x: (batch, dim)`` -> ``(batch, dim)``."""
+    return torch.relu(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
+
+
+def example_batch(
+    micro_batches: int = 4, batch: int = 2, dim: int = 4, replicas: int = 1
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Integer-valued ``inputs`` and ``targets``, each ``(replicas, M, batch, dim)``.
+
+    Inputs lie in {-3..3}, targets in {-1, 0, 1}, both from a multiplicative hash of the
+    element index (for the default sizes no two micro-batches have the same inputs).
+    """
+    _check_count(micro_batches, "micro_batches", "pass at least one micro-batch")
+    k = torch.arange(replicas * micro_batches * batch * dim).reshape(
+        replicas, micro_batches, batch, dim
+    )
+    inputs = ((k * 2654435761) // 128 % 7 - 3).float()  # a multiplicative hash, not periodic
+    targets = ((k * 40503) // 64 % 3 - 1).float()
+    return inputs, targets
+
+
+def reference_step(
+    inputs: torch.Tensor, targets: torch.Tensor, *, stages: int, hidden: int = 6
+) -> dict[str, Any]:
+    """The single-device model: all ``stages`` MLP stages in a row, one replica.
+
+    ``inputs, targets: (M, batch, dim)``. Loss: ``sum_m sum(out_m * targets_m)`` (linear, so
+    its gradient is the integer ``targets``). Returns ``loss``, ``outputs (M, batch, dim)`` and
+    ``grads``: one dict of parameter gradients per stage.
+    """
+    params = [
+        {k: v.requires_grad_() for k, v in mlp_stage_params(s, inputs.shape[-1], hidden).items()}
+        for s in range(stages)
+    ]
+    outputs = []
+    for m in range(inputs.shape[0]):
+        h = inputs[m]
+        for p in params:
+            h = mlp_stage(p, h)
+        outputs.append(h)
+    out = torch.stack(outputs)
+    loss = (out * targets).sum()
+    loss.backward()
+    return {
+        "loss": loss.detach(),
+        "outputs": out.detach(),
+        "grads": [{k: v.grad for k, v in p.items()} for p in params],
+    }
+
+
+def _mlp_step(
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    stages: int | None,
+    hidden: int,
+    wrap: bool | None,
+    backend: Backend,
+) -> dict[str, Any]:
+    """One pipeline step of the MLP on this rank (traced; the caller syncs)."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    device = torch_xla.device()
+    n_stages = len(pipeline_groups(xr.world_size(), stages)[0])
+    replica, position = divmod(xr.global_ordinal(), n_stages)
+    params = {
+        k: v.to(device).requires_grad_()
+        for k, v in mlp_stage_params(position, inputs.shape[-1], hidden).items()
+    }
+    outputs = pipeline_forward(
+        functools.partial(mlp_stage, params),
+        inputs[replica].to(device),
+        stages=stages,
+        wrap=wrap,
+        backend=backend,
+    )
+    loss = (outputs * targets[replica].to(device)).sum()
+    loss.backward()
+    return {
+        "loss": loss.detach(),
+        "outputs": outputs.detach(),
+        "grads": {k: v.grad for k, v in params.items()},
+        "replica": replica,
+        "stage": position,
+    }
+
+
+def mlp_pipeline_cases(cases: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Rank function: one MLP pipeline step per case, all in one program (one ``mark_step``).
+
+    A case: ``inputs`` and ``targets`` (``(replicas, M, batch, dim)``, replica ``r`` runs on
+    ranks ``r*S .. r*S+S-1``), and optionally ``stages``, ``hidden`` (6), ``wrap``,
+    ``backend`` ("auto"). Returns, per case, this rank's ``loss``, ``outputs``, the
+    ``grads`` of its stage's parameters, its ``replica`` and ``stage``.
+    """
+    import torch_xla.core.xla_model as xm
+
+    outs = [
+        _mlp_step(
+            c["inputs"],
+            c["targets"],
+            c.get("stages"),
+            c.get("hidden", 6),
+            c.get("wrap"),
+            c.get("backend", "auto"),
+        )
+        for c in cases
+    ]
+    xm.mark_step()
+    return outs
+
+
+def compare_with_single_device(
+    results: Sequence[dict[str, Any]],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    hidden: int = 6,
+) -> list[str]:
+    """Compare per-rank pipeline results with :func:`reference_step`, exactly.
+
+    ``results``: the per-rank dicts of one case of :func:`mlp_pipeline_cases`. Checks, for
+    every replica: the summed loss, the last stage's outputs (zeros elsewhere), and every
+    stage's parameter gradients. Returns the differences found (empty: all equal).
+    """
+    stages = max(r["stage"] for r in results) + 1
+    problems = []
+    for replica in range(inputs.shape[0]):
+        ranks = [r for r in results if r["replica"] == replica]
+        ref = reference_step(inputs[replica], targets[replica], stages=stages, hidden=hidden)
+        loss = sum(r["loss"] for r in ranks)
+        if not torch.equal(loss, ref["loss"]):
+            problems.append(f"replica {replica}: loss {loss.item()} != {ref['loss'].item()}")
+        for r in ranks:
+            where = f"replica {replica}, stage {r['stage']}"
+            last = r["stage"] == stages - 1
+            expected = ref["outputs"] if last else torch.zeros_like(ref["outputs"])
+            if not torch.equal(r["outputs"], expected):
+                problems.append(f"{where}: outputs differ")
+            for name, grad in ref["grads"][r["stage"]].items():
+                if not torch.equal(r["grads"][name], grad):
+                    diff = (r["grads"][name] - grad).abs().max().item()
+                    problems.append(f"{where}: grad of {name} differs (max |diff| {diff})")
+    return problems
+
+
+_SHIFT_FORMS = ((1, False), (1, True), (-1, False), (-1, True), (2, False))
+
+
+def shift_examples(
+    forms: Sequence[tuple[int, bool]] = _SHIFT_FORMS,
+) -> dict[str, dict[str, torch.Tensor]]:
+    """Rank function for the docs: :func:`~xla_permute.shift.stage_shift` forward and backward.
+
+    Rank ``r`` holds ``x = [r + 1]`` and receives the upstream gradient ``[10 (r + 1)]``; for
+    each ``(offset, wrap)`` in ``forms`` returns this rank's ``y`` and ``grad`` (of ``x``),
+    keyed ``"open +1"``, ``"ring +1"``, ... All in one program (one ``mark_step``).
+    """
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    rank, device = xr.global_ordinal(), torch_xla.device()
+    out = {}
+    for offset, wrap in forms:
+        x = torch.tensor([rank + 1.0]).to(device).requires_grad_()
+        y = stage_shift(x, offset=offset, wrap=wrap)
+        (y * (10.0 * (rank + 1))).sum().backward()
+        out[f"{'ring' if wrap else 'open'} {offset:+d}"] = {"y": y.detach(), "grad": x.grad}
+    xm.mark_step()
+    return out
+
+
+def demo_step() -> dict[str, Any]:
+    """Rank function of the demo check: one 4-micro-batch step of :func:`example_batch`."""
+    inputs, targets = example_batch()
+    return mlp_pipeline_cases([{"inputs": inputs, "targets": targets}])[0]
+
+
+def verify_demo_step(results: list[dict[str, Any]]) -> None:
+    """Raise AssertionError unless :func:`demo_step`'s results equal the single-device model."""
+    problems = compare_with_single_device(results, *example_batch())
+    if problems:
+        raise AssertionError("; ".join(problems[:3]))
+
+
+# --------------------------------------------------------------------------------------------
+# Counting the cost of a step: stage shifts vs torch.distributed send/recv, on traced programs
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class StepCost:
+    """What one rank's programs for one step contain, read from their HLO by ``xla_permute.hlo``.
+
+    ``programs``: graphs the rank executes (one per sync); ``collectives``: collective ops over
+    all of them; ``kinds``: their opcodes; ``pairs``: the source-target pairs of each permute;
+    ``bytes_sent``: what this rank sends (a permute sends its operand if the rank is a source).
+    """
+
+    programs: int
+    collectives: int
+    kinds: tuple[str, ...]
+    pairs: tuple[tuple[tuple[int, int], ...] | None, ...]
+    bytes_sent: int
+
+
+def step_cost(hlo_texts: Sequence[str], rank: int, group_size: int) -> StepCost:
+    """Parse the HLO of a rank's programs for one step and count what they do."""
+    from xla_permute.hlo import bytes_sent_per_rank, parse
+
+    collectives = [c for text in hlo_texts for c in parse(text).collectives()]
+    return StepCost(
+        programs=len(hlo_texts),
+        collectives=len(collectives),
+        kinds=tuple(c.kind for c in collectives),
+        pairs=tuple(c.pairs for c in collectives),
+        bytes_sent=sum(bytes_sent_per_rank(c, group_size, rank) for c in collectives),
+    )
+
+
+@dataclass(frozen=True)
+class BackendCall:
+    """One method of torch_xla's ``ProcessGroupXla`` as installed: its calls per tensor."""
+
+    method: str
+    per_tensor: dict[str, int]
+    source: str
+
+
+def sendrecv_code_path() -> dict[str, BackendCall]:
+    """What ``ProcessGroupXla.send`` and ``.recv`` (``torch.distributed``'s ``xla`` backend) do.
+
+    Read from the installed ``torch_xla/distributed/xla_backend.py`` with ``ast``, without
+    importing it: for each method, the calls made in its loop over the tensors.
+    """
+    spec = importlib.util.find_spec("torch_xla")
+    if spec is None or spec.origin is None:
+        raise ModuleNotFoundError("torch_xla is not installed")
+    path = Path(spec.origin).parent / "distributed" / "xla_backend.py"
+    text = path.read_text(encoding="utf-8")
+    tree = ast.parse(text)
+    cls = next(
+        n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "ProcessGroupXla"
+    )
+    out = {}
+    for fn in cls.body:
+        if isinstance(fn, ast.FunctionDef) and fn.name in ("send", "recv"):
+            loop = next(n for n in ast.walk(fn) if isinstance(n, ast.For))
+            calls = Counter(ast.unparse(c.func) for c in ast.walk(loop) if isinstance(c, ast.Call))
+            out[fn.name] = BackendCall(fn.name, dict(calls), ast.get_source_segment(text, fn) or "")
+    return out
+
+
+def _restart_collective_order() -> None:
+    """Start a new chain of collectives on this device, as ``torch_xla.sync()`` does.
+
+    torch_xla orders a device's collectives with a token that each one consumes and produces,
+    so a traced program contains every collective since the last sync; a sync resets it.
+    """
+    import torch_xla
+
+    torch_xla._XLAC._set_all_reduce_token(str(torch_xla.device()), None)
+
+
+class _SendRecvReplay:
+    """The code path of ``ProcessGroupXla.send`` / ``.recv`` (torch_xla 2.9), traced only.
+
+    Per call: one ``xm.collective_permute`` with the single pair ``[[src, dst]]``, then
+    ``torch_xla.sync()``. The sync would execute the pending graph (which aborts on the CPU
+    mesh: the permute has no channel id), so instead the program it would run is recorded as
+    HLO text, and the permute's result is replaced by device data, as a sync leaves it: the
+    next recorded program starts where the sync would have left off (the token that orders
+    collectives is reset too, as the sync does).
+    """
+
+    def __init__(self, rank: int) -> None:
+        self.rank = rank
+        self.programs: list[str] = []
+
+    def _sync(self, result: torch.Tensor) -> torch.Tensor:
+        import torch_xla
+
+        self.programs.append(torch_xla._XLAC._get_xla_tensors_hlo([result]))
+        _restart_collective_order()
+        return torch.zeros(result.shape, dtype=result.dtype).to(result.device)
+
+    def send(self, tensor: torch.Tensor, dst: int) -> None:
+        import torch_xla.core.xla_model as xm
+
+        self._sync(xm.collective_permute(tensor, pairs=[[self.rank, dst]]))
+
+    def recv(self, like: torch.Tensor, src: int) -> torch.Tensor:
+        import torch_xla.core.xla_model as xm
+
+        return self._sync(xm.collective_permute(like, pairs=[[src, self.rank]]))
+
+
+def _sendrecv_gpipe(
+    stage: Callable[[torch.Tensor], torch.Tensor],
+    params: dict[str, torch.Tensor],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    position: int,
+    n_stages: int,
+    replay: _SendRecvReplay,
+) -> list[str]:
+    """GPipe written with send/recv (all forwards, then all backwards); the programs' HLO."""
+    rank = replay.rank
+    saved = []
+    for m in range(inputs.shape[0]):
+        if position == 0:
+            x = inputs[m]
+        else:
+            x = replay.recv(torch.zeros_like(inputs[m]), src=rank - 1).requires_grad_()
+        y = stage(x)
+        saved.append((x, y))
+        if position < n_stages - 1:
+            replay.send(y, dst=rank + 1)
+    for m in reversed(range(inputs.shape[0])):
+        x, y = saved[m]
+        if position == n_stages - 1:
+            grad = targets[m]  # d(sum(out * targets)) / d out
+        else:
+            grad = replay.recv(torch.zeros_like(y), src=rank + 1)
+        y.backward(grad)
+        if position > 0:
+            replay.send(x.grad, dst=rank - 1)
+    import torch_xla
+
+    # The final sync of the step (the optimizer's): the accumulated parameter gradients.
+    grads = [p.grad for p in params.values()]
+    return [*replay.programs, torch_xla._XLAC._get_xla_tensors_hlo(grads)]
+
+
+def traced_step_programs(
+    micro_batches: int = 4, batch: int = 2, dim: int = 4, hidden: int = 6
+) -> dict[str, list[str]]:
+    """Rank function, traced and never executed: the HLO of one MLP pipeline step, three ways.
+
+    ``"shift_open"`` / ``"shift_ring"``: :func:`pipeline_forward` with native stage shifts
+    (open chain / ring), forward and autograd backward, as the one program one sync runs.
+    ``"send_recv"``: the same step written with ``torch.distributed`` send/recv on the ``xla``
+    backend, one program per sync that backend's code path makes (see ``_SendRecvReplay``),
+    plus the step's final sync. Nothing is executed: the CPU mesh cannot run a permute without
+    a channel id, and the traced tensors die before any sync.
+    """
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    device = torch_xla.device()
+    rank, n_stages = xr.global_ordinal(), xr.world_size()
+    inputs, targets = example_batch(micro_batches, batch, dim)
+    out: dict[str, list[str]] = {}
+    for name, wrap in (("shift_open", False), ("shift_ring", True)):
+        params = {
+            k: v.to(device).requires_grad_() for k, v in mlp_stage_params(rank, dim, hidden).items()
+        }
+        outputs = pipeline_forward(
+            functools.partial(mlp_stage, params),
+            inputs[0].to(device),
+            wrap=wrap,
+            backend="native",
+        )
+        loss = (outputs * targets[0].to(device)).sum()
+        loss.backward()
+        grads = [p.grad for p in params.values()]
+        out[name] = [torch_xla._XLAC._get_xla_tensors_hlo([loss, *grads])]
+        _restart_collective_order()  # the next trace starts a program of its own
+    params = {
+        k: v.to(device).requires_grad_() for k, v in mlp_stage_params(rank, dim, hidden).items()
+    }
+    out["send_recv"] = _sendrecv_gpipe(
+        functools.partial(mlp_stage, params),
+        params,
+        inputs[0].to(device),
+        targets[0].to(device),
+        rank,
+        n_stages,
+        _SendRecvReplay(rank),
+    )
+    return out

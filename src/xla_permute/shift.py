@@ -1,0 +1,205 @@
+"""``stage_shift``: every rank sends its tensor ``offset`` ranks ahead, in one CollectivePermute.
+
+This is the point-to-point step of pipeline parallelism without send/recv: at a pipeline tick
+every stage hands its activation to the next stage at the same time, so all the hand-offs of
+the tick are one permute with the pairs ``(r, r + offset)``. Two forms:
+
+* **open chain** (``wrap=False``): pairs ``(r, r + offset)`` for the ranks where ``r + offset``
+  stays inside the group. The last ``|offset|`` ranks send nothing; the first ``|offset|``
+  ranks (for a negative offset: the last) receive **zeros**.
+* **ring** (``wrap=True``): pairs ``(r, (r + offset) mod n)``, a complete ring. The ranks that
+  would receive zeros in the open chain receive the wrapped value from the other end instead;
+  the caller discards it (a pipeline's first stage takes its next micro-batch there).
+
+``wrap=None`` (default) chooses by the hardware rules in :mod:`xla_permute.hardware`: the ring
+on devices that run only complete rings of CollectivePermute (Neuron), the open chain elsewhere.
+
+Per rank, for a group of ``n`` ranks and rank ``r`` in it::
+
+    y_r = x_{r - offset}          if 0 <= r - offset < n        (both forms)
+    y_r = x_{(r - offset) mod n}  otherwise, ring form
+    y_r = 0                       otherwise, open chain
+
+Backward: the opposite shift of the gradient, in the same form,
+``grad_x = stage_shift(grad_y, offset=-offset)``; it is the autograd of
+:func:`~xla_permute.permute.collective_permute` (the permute with the inverse pairs). In the open
+chain the last ranks' ``x`` went nowhere and gets a zero gradient.
+
+>>> shift_pairs(4, 1, wrap=False)
+((0, 1), (1, 2), (2, 3))
+>>> shift_pairs(4, -2, wrap=True)
+((0, 2), (1, 3), (2, 0), (3, 1))
+>>> from xla_permute.pairs import inverse_pairs
+>>> sorted(inverse_pairs(shift_pairs(4, 1, wrap=False))) == sorted(shift_pairs(4, -1, wrap=False))
+True
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from xla_permute.pairs import Pairs, check_groups, ring_pairs
+from xla_permute.permute import Backend, check_xla_tensor, collective_permute, resolve_backend
+
+__all__ = [
+    "check_offset",
+    "reference_shift",
+    "resolve_wrap",
+    "shift_pairs",
+    "stage_shift",
+]
+
+
+def check_offset(offset: object, group_size: int) -> int:
+    """Raise unless ``offset`` is a usable shift for groups of ``group_size`` ranks.
+
+    A shift moves every value ``offset`` ranks ahead (negative: back), so ``offset`` must be a
+    nonzero int with ``|offset| < group_size``.
+
+    >>> check_offset(-3, 4)
+    -3
+    >>> check_offset(4, 4)
+    Traceback (most recent call last):
+    ...
+    ValueError: offset=4 is not smaller than the group of 4 ranks in size: ...
+    """
+    if isinstance(offset, bool) or not isinstance(offset, int):
+        raise TypeError(
+            f"offset must be an int number of ranks (1: to the next stage, -1: to the previous "
+            f"one), got {offset!r} ({type(offset).__name__})"
+        )
+    if offset == 0:
+        raise ValueError(
+            "offset=0 would send every rank's tensor to itself, which is no shift; use the "
+            "tensor itself, or offset=1 / offset=-1 for the next / previous stage"
+        )
+    if abs(offset) >= group_size:
+        same_ring = offset % group_size
+        hint = f" (offset={same_ring} is the same ring)" if same_ring else ""
+        raise ValueError(
+            f"offset={offset} is not smaller than the group of {group_size} ranks in size: an "
+            f"open chain would send nothing and a ring would wrap around more than once; use "
+            f"an offset with 0 < |offset| < {group_size}{hint}"
+        )
+    return offset
+
+
+def shift_pairs(n: int, offset: int = 1, *, wrap: bool) -> Pairs:
+    """The ``(source, target)`` pairs of a shift by ``offset`` in a group of ``n`` ranks.
+
+    >>> shift_pairs(3, -1, wrap=False), shift_pairs(3, -1, wrap=True)
+    (((1, 0), (2, 1)), ((0, 2), (1, 0), (2, 1)))
+    """
+    check_offset(offset, n)
+    if not isinstance(wrap, bool):
+        raise TypeError(f"wrap must be True or False here, got {wrap!r}")
+    if wrap:
+        return ring_pairs(n, offset)
+    return tuple((r, r + offset) for r in range(n) if 0 <= r + offset < n)
+
+
+def _check_wrap(wrap: object) -> None:
+    if wrap is not None and not isinstance(wrap, bool):
+        raise TypeError(
+            f"wrap must be None (choose by hardware), True (ring) or False (open chain), "
+            f"got {wrap!r}"
+        )
+
+
+def resolve_wrap(wrap: bool | None, device_type: str | None = None) -> bool:
+    """Choose the form of a shift: ``True`` for the ring, ``False`` for the open chain.
+
+    ``wrap=None`` follows :func:`xla_permute.hardware.requires_complete_rings` for
+    ``device_type`` (default: this process's XLA device type). An explicit ``wrap=False`` on a
+    device that runs only complete rings raises, since the open chain would fail there.
+
+    >>> resolve_wrap(None, "CPU"), resolve_wrap(None, "NEURON"), resolve_wrap(True, "CPU")
+    (False, True, True)
+    """
+    _check_wrap(wrap)
+    if device_type is None:
+        import torch_xla.runtime as xr
+
+        device_type = xr.device_type()
+    from xla_permute.hardware import requires_complete_rings
+
+    rings_only = requires_complete_rings(device_type)
+    if wrap is None:
+        return rings_only
+    if wrap is False and rings_only:
+        raise ValueError(
+            f"wrap=False asks for an open chain, but {device_type} devices run only complete "
+            f"rings of CollectivePermute; pass wrap=None (or True) for the ring form and "
+            f"discard the wrapped value on the ranks that receive it"
+        )
+    return wrap
+
+
+def stage_shift(
+    x: torch.Tensor,
+    *,
+    offset: int = 1,
+    wrap: bool | None = None,
+    groups: Sequence[Sequence[int]] | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Send this rank's ``x`` to the rank ``offset`` ahead, all ranks at once, in one permute.
+
+    Args:
+        x: this rank's tensor (e.g. a stage's activation), on an XLA device, any shape and
+            dtype; every rank passes the same shape. The output has the same shape and dtype.
+        offset: how many ranks ahead the value goes (``-1``: one rank back); nonzero and
+            ``|offset| <`` the group size.
+        wrap: ``False``: open chain, ranks without a source receive zeros; ``True``: ring, they
+            receive the values that fall off the other end (discard them); ``None``: the ring
+            where the hardware requires complete rings (Neuron), else the open chain.
+        groups: replica groups, e.g. ``[[0, 1], [2, 3]]`` for two pipelines of two stages; the
+            shift runs inside every group, by group-local position. ``None``: all ranks.
+        backend: ``"auto"``, ``"native"`` or ``"emulated"`` (see
+            :func:`~xla_permute.permute.collective_permute`).
+
+    Returns:
+        ``y`` with ``y_r = x_{r - offset}`` (group-local positions; see the module docstring
+        for the ranks at the ends). Backward: ``grad_x = stage_shift(grad_y, offset=-offset)``
+        in the same form.
+
+    Raises:
+        TypeError: ``x`` is no tensor, ``offset`` no int or ``wrap`` no bool (or None).
+        ValueError: ``x`` is not on an XLA device, ``offset`` is 0 or not smaller than the
+            group, or ``groups`` or ``backend`` is bad. Both are raised before any collective
+            is issued, with the fix in the message.
+
+    Every rank must call it, with the same arguments, and use the result (a rank that drops it
+    would drop the collective from its program and leave the others waiting).
+    """
+    check_xla_tensor(x)
+    _check_wrap(wrap)
+    chosen = resolve_backend(backend)
+    import torch_xla.runtime as xr
+
+    checked_groups = check_groups(groups, xr.world_size())
+    ring = resolve_wrap(wrap, xr.device_type())
+    pairs = shift_pairs(len(checked_groups[0]), offset, wrap=ring)
+    return collective_permute(x, pairs, groups=checked_groups, backend=chosen)
+
+
+def reference_shift(
+    xs: torch.Tensor,
+    offset: int = 1,
+    *,
+    wrap: bool,
+    groups: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """Pure-torch :func:`stage_shift` on a virtual mesh (leading axis = rank).
+
+    >>> reference_shift(torch.arange(4.0), 1, wrap=False).tolist()
+    [0.0, 0.0, 1.0, 2.0]
+    >>> reference_shift(torch.arange(4.0), -1, wrap=True, groups=[[0, 1], [2, 3]]).tolist()
+    [1.0, 0.0, 3.0, 2.0]
+    """
+    from xla_permute.reference import permute
+
+    n = len(check_groups(groups, xs.shape[0])[0])
+    return permute(xs, shift_pairs(n, offset, wrap=wrap), groups)
