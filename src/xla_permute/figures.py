@@ -1,8 +1,8 @@
 """Figures for the docs, drawn from the package's own data with matplotlib (Agg, no pyplot).
 
-Figure functions return a ``matplotlib.figure.Figure``; made with :func:`new_figure` it is a
-:class:`DisplayFigure`, which a notebook shows as a PNG without pyplot. A script saves either
-with ``fig.savefig(path)``. Nothing here touches an XLA device.
+Figure functions return a ``matplotlib.figure.Figure``; made with :func:`new_figure`, a
+notebook shows it as a PNG without pyplot. A script saves it with ``fig.savefig(path)``.
+Nothing here touches an XLA device.
 
 >>> fig = pairs_figure([(0, 1), (1, 0), (2, 2)], n=4)   # a swap and a fixed point
 >>> arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
@@ -23,7 +23,6 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 from xla_permute.pairs import PairsLike, check_groups, global_pairs
 
 __all__ = [
-    "DisplayFigure",
     "new_figure",
     "pairs_figure",
     "pipeline_schedule_figure",
@@ -34,7 +33,7 @@ _GROUP_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b
 _ZERO_COLOR = "#9a9a9a"
 
 
-class DisplayFigure(Figure):
+class _DisplayFigure(Figure):
     """A Figure that Jupyter shows as a PNG by itself (no pyplot, no inline backend needed)."""
 
     def _repr_png_(self) -> bytes:
@@ -43,9 +42,12 @@ class DisplayFigure(Figure):
         return buf.getvalue()
 
 
-def new_figure(**kwargs: Any) -> DisplayFigure:
-    """A :class:`DisplayFigure` with an Agg canvas; ``kwargs`` go to ``Figure``."""
-    fig = DisplayFigure(**kwargs)
+def new_figure(**kwargs: Any) -> Figure:
+    """A Figure with an Agg canvas that Jupyter shows as a PNG without pyplot.
+
+    ``kwargs`` go to ``matplotlib.figure.Figure``. Every figure function here starts from it.
+    """
+    fig = _DisplayFigure(**kwargs)
     FigureCanvasAgg(fig)
     return fig
 
@@ -73,12 +75,12 @@ def pairs_figure(
     groups: Sequence[Sequence[int]] | None = None,
     title: str | None = None,
     received: Sequence[str] | None = None,
-) -> DisplayFigure:
+) -> Figure:
     """Who sends to whom: senders on top, receivers below, one arrow per (global) pair.
 
     Args:
         pairs: ``(source, target)`` pairs, group-local when ``groups`` is given (checked as
-            :func:`xla_permute.collective_permute` checks them).
+            :func:`~xla_permute.permute.collective_permute` checks them).
         n: number of ranks; default: the ranks covered by ``groups``, else the largest id + 1.
         groups: replica groups; arrows are coloured by group.
         title: the figure title (say which backend produced any numbers shown).

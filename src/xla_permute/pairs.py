@@ -54,7 +54,9 @@ class Decomposition(NamedTuple):
 
 
 def _as_rank(value: object, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if isinstance(value, bool):  # operator.index(True) == 1: a flag is not a rank id
+        raise TypeError(f"{where} must be an integer rank id, got {value!r} (bool)")
+    if not isinstance(value, int):
         try:
             as_int = operator.index(value)  # accepts numpy / torch integer scalars
         except TypeError:
@@ -65,11 +67,12 @@ def _as_rank(value: object, where: str) -> int:
     return int(value)
 
 
-def check_pairs(pairs: PairsLike, group_size: int) -> Pairs:
+def check_pairs(pairs: PairsLike, group_size: int | None) -> Pairs:
     """Validate ``pairs`` for groups of ``group_size`` ranks and return them as int tuples.
 
     Allowed: any partial permutation of ``0..group_size-1`` (self pairs, several cycles, open
     chains). The empty sequence is allowed and means every rank receives zeros.
+    ``group_size=None`` checks everything but the upper bound on the ids.
 
     Raises:
         TypeError: not a sequence of 2-item pairs, or a non-integer id.
@@ -100,8 +103,10 @@ def check_pairs(pairs: PairsLike, group_size: int) -> Pairs:
         t = _as_rank(pair[1], f"pairs[{i}] target")
         for role, rank in (("source", s), ("target", t)):
             if rank < 0:
-                raise ValueError(f"pairs[{i}] = {(s, t)}: {role} {rank} is negative")
-            if rank >= group_size:
+                raise ValueError(
+                    f"pairs[{i}] = {(s, t)}: {role} {rank} is negative; rank ids count from 0"
+                )
+            if group_size is not None and rank >= group_size:
                 raise ValueError(
                     f"pairs[{i}] = {(s, t)}: {role} {rank} is outside the group of "
                     f"{group_size} ranks (ids 0..{group_size - 1})"
@@ -149,6 +154,8 @@ def check_groups(groups: Sequence[Sequence[int]] | None, world_size: int) -> Gro
                 raise ValueError(
                     f"groups[{g}] contains rank {r}, outside the world of {world_size} ranks"
                 )
+            if owner.get(r) == g:
+                raise ValueError(f"groups[{g}] lists rank {r} twice; list every rank once")
             if r in owner:
                 raise ValueError(
                     f"groups overlap: rank {r} is in groups[{owner[r]}] and groups[{g}]; "
@@ -192,6 +199,8 @@ def ring_pairs(n: int, shift: int = 1) -> Pairs:
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int number of ranks, got {n!r}")
+    if isinstance(shift, bool) or not isinstance(shift, int):
+        raise TypeError(f"shift must be an int number of ranks, got {shift!r}")
     return tuple((r, (r + shift) % n) for r in range(n))
 
 
@@ -209,16 +218,17 @@ def source_of(pairs: PairsLike, rank: int) -> int | None:
 
 
 def decompose(pairs: PairsLike) -> Decomposition:
-    """Split a (checked) partial permutation into closed cycles and open chains.
+    """Split a partial permutation into closed cycles and open chains.
 
     Each cycle starts at its smallest rank; each chain at the rank that receives nothing.
+    The pairs are checked first (:func:`check_pairs` without an upper bound on the ids).
 
     >>> decompose(ring_pairs(3))
     Decomposition(cycles=((0, 1, 2),), chains=())
     >>> decompose([(1, 2), (0, 1), (3, 3)])
     Decomposition(cycles=((3,),), chains=((0, 1, 2),))
     """
-    succ = {int(s): int(t) for s, t in pairs}
+    succ = dict(check_pairs(pairs, None))
     targets = set(succ.values())
     seen: set[int] = set()
     chains = []
@@ -243,10 +253,12 @@ def decompose(pairs: PairsLike) -> Decomposition:
 def is_ring(pairs: PairsLike, n: int) -> bool:
     """True when the pairs form one cycle through all ``n`` ranks (a ring shift, for example).
 
+    The pairs are checked for a group of ``n`` ranks first (:func:`check_pairs`).
+
     >>> is_ring(ring_pairs(4, shift=3), 4), is_ring([(0, 1), (1, 0)], 4)
     (True, False)
     """
-    d = decompose(pairs)
+    d = decompose(check_pairs(pairs, n))
     return not d.chains and len(d.cycles) == 1 and len(d.cycles[0]) == n
 
 

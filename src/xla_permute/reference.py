@@ -34,12 +34,14 @@ def permute(
 ) -> torch.Tensor:
     """CollectivePermute: ``out[t] = xs[s]`` for every pair ``(s, t)``; zeros elsewhere.
 
-    With ``groups``, the pairs are group-local and apply inside every group.
+    With ``groups``, the pairs are group-local and apply inside every group. The result is
+    always part of the autograd graph (also for empty pairs), so ``xs.grad`` is the reference
+    gradient: zero on every rank whose value went nowhere.
     """
-    out = torch.zeros_like(xs)
-    for s, t in global_pairs(pairs, groups, xs.shape[0]):
-        out[t] = xs[s]
-    return out
+    n = xs.shape[0]
+    source = {t: s for s, t in global_pairs(pairs, groups, n)}
+    padded = torch.cat([xs, torch.zeros_like(xs[:1])])  # row n: the zero fill
+    return padded[[source.get(t, n) for t in range(n)]]
 
 
 def all_gather(xs: torch.Tensor, dim: int) -> torch.Tensor:
