@@ -72,7 +72,7 @@ def reduce_scatter_schedule(n: int, rank: int, bidirectional: bool = False) -> l
     contribution to block ``r`` (listed once).
 
     >>> [s.blocks for s in reduce_scatter_schedule(4, rank=0)]
-    [(1,), (2,), (3,), (0,)]
+    [(3,), (2,), (1,), (0,)]
     """
     up, down = ring_steps(n, bidirectional)
     steps = []
