@@ -40,6 +40,7 @@ autodoc_default_options = {"members": True}
 autodoc_inherit_docstrings = False  # torch/matplotlib docstrings use roles we do not load
 # No intersphinx (CI has no network): references to other projects' types stay plain text.
 nitpick_ignore_regex = [
-    ("py:.*", r"(torch|torch_xla|pathlib|collections|typing|nbclient|numpy|matplotlib|argparse)\b.*"),
+    ("py:.*", r"(torch|torch_xla|pathlib|collections|typing|argparse)\b.*"),
+    ("py:.*", r"(nbclient|numpy|matplotlib)\b.*"),
     ("py:.*", r"(Path|Tensor|Callable|Sequence|Any|NotebookNode|Module|Figure)"),
 ]
