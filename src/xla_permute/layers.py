@@ -25,9 +25,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
+from typing_extensions import Self
 
 from xla_permute.collectives import sum_gradients
 from xla_permute.matmul import (
@@ -61,41 +63,67 @@ def _shard(size: int, world_size: int, what: str) -> int:
 
 
 class _ParallelLinear(nn.Module):
+    """The shared part of the two layers: ``_sharded`` names the feature axis split over ranks
+    (``"out"``: column parallel, ``"in"``: row parallel)."""
+
+    _sharded: str
     weight: nn.Parameter
     bias: nn.Parameter | None
 
     def __init__(
         self,
-        in_local: int,
-        out_local: int,
-        bias_features: int | None,
+        in_features: int,
+        out_features: int,
         *,
-        dim: int,
-        collective_matmul: bool,
-        bidirectional: bool,
-        world_size: int,
-        rank: int,
-        fan_in: int,
-        generator: torch.Generator | None,
+        bias: bool = True,
+        dim: int = 1,
+        collective_matmul: bool = True,
+        bidirectional: bool = False,
+        world_size: int | None = None,
+        rank: int | None = None,
+        generator: torch.Generator | None = None,
     ) -> None:
         super().__init__()
+        world_size, rank = _world(world_size, rank)
+        if self._sharded == "out":
+            out_local = _shard(out_features, world_size, "out_features")
+            shape, bias_features = (out_local, in_features), out_local
+        else:
+            in_local = _shard(in_features, world_size, "in_features")
+            shape, bias_features = (out_features, in_local), out_features
+        self.in_features, self.out_features = in_features, out_features
         self.dim, self.world_size, self.rank = dim, world_size, rank
         self.collective_matmul, self.bidirectional = collective_matmul, bidirectional
-        self.weight = nn.Parameter(torch.empty(out_local, in_local))
-        self.bias = nn.Parameter(torch.empty(bias_features)) if bias_features else None
-        self.reset_parameters(fan_in, generator)
+        self.weight = nn.Parameter(torch.empty(shape))
+        self.bias = nn.Parameter(torch.empty(bias_features)) if bias else None
+        self.reset_parameters(generator)
 
-    def reset_parameters(self, fan_in: int, generator: torch.Generator | None = None) -> None:
-        """``nn.Linear``'s initialisation for the full layer's fan-in.
+    def reset_parameters(self, generator: torch.Generator | None = None) -> None:
+        """``nn.Linear``'s initialisation (uniform in +-1/sqrt(in_features) of the full layer).
 
         Pass a per-rank ``generator``: on the CPU mesh the ranks are threads sharing torch's
         global RNG, so without one their draws interleave unpredictably.
         """
-        bound = 1 / math.sqrt(fan_in)
+        bound = 1 / math.sqrt(self.in_features)
         with torch.no_grad():
             self.weight.uniform_(-bound, bound, generator=generator)
             if self.bias is not None:
                 self.bias.uniform_(-bound, bound, generator=generator)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> Self:
+        """This rank's shard of a full ``nn.Linear`` (together, the same result as it)."""
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
+                    **kwargs)  # fmt: skip
+        axis = 0 if cls._sharded == "out" else 1
+        with torch.no_grad():
+            layer.weight.copy_(linear.weight.chunk(layer.world_size, axis)[layer.rank])
+            if layer.bias is not None:
+                bias = (
+                    linear.bias.chunk(layer.world_size)[layer.rank] if axis == 0 else (linear.bias)
+                )
+                layer.bias.copy_(bias)
+        return layer
 
     def extra_repr(self) -> str:
         return (
@@ -112,46 +140,10 @@ class ColumnParallelLinear(_ParallelLinear):
     this rank's ``out_features/N`` columns. See the module docstring for the equation.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        bias: bool = True,
-        dim: int = 1,
-        collective_matmul: bool = True,
-        bidirectional: bool = False,
-        world_size: int | None = None,
-        rank: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> None:
-        world_size, rank = _world(world_size, rank)
-        out_local = _shard(out_features, world_size, "out_features")
-        super().__init__(
-            in_features,
-            out_local,
-            out_local if bias else None,
-            dim=dim,
-            collective_matmul=collective_matmul,
-            bidirectional=bidirectional,
-            world_size=world_size,
-            rank=rank,
-            fan_in=in_features,
-            generator=generator,
-        )
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs: object) -> ColumnParallelLinear:
-        """This rank's shard of a full ``nn.Linear`` (same result as the full layer)."""
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    **kwargs)  # type: ignore[arg-type]  # fmt: skip
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight.chunk(layer.world_size, 0)[layer.rank])
-            if layer.bias is not None:
-                layer.bias.copy_(linear.bias.chunk(layer.world_size, 0)[layer.rank])
-        return layer
+    _sharded = "out"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``AllGather(x, dim) @ W_r.T + b_r``: ``[..., S/N, K] -> [..., S, F/N]``."""
         w = self.weight.T
         if self.collective_matmul:
             y = all_gather_matmul(x, w, dim=self.dim, bidirectional=self.bidirectional)
@@ -167,46 +159,10 @@ class RowParallelLinear(_ParallelLinear):
     output: this rank's sequence shard ``[..., S/N, out_features]`` of the summed product.
     """
 
-    def __init__(
-        self,
-        in_features: int,
-        out_features: int,
-        *,
-        bias: bool = True,
-        dim: int = 1,
-        collective_matmul: bool = True,
-        bidirectional: bool = False,
-        world_size: int | None = None,
-        rank: int | None = None,
-        generator: torch.Generator | None = None,
-    ) -> None:
-        world_size, rank = _world(world_size, rank)
-        in_local = _shard(in_features, world_size, "in_features")
-        super().__init__(
-            in_local,
-            out_features,
-            out_features if bias else None,
-            dim=dim,
-            collective_matmul=collective_matmul,
-            bidirectional=bidirectional,
-            world_size=world_size,
-            rank=rank,
-            fan_in=in_features,
-            generator=generator,
-        )
-
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, **kwargs: object) -> RowParallelLinear:
-        """This rank's shard of a full ``nn.Linear`` (same result as the full layer)."""
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    **kwargs)  # type: ignore[arg-type]  # fmt: skip
-        with torch.no_grad():
-            layer.weight.copy_(linear.weight.chunk(layer.world_size, 1)[layer.rank])
-            if layer.bias is not None:
-                layer.bias.copy_(linear.bias)
-        return layer
+    _sharded = "in"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``ReduceScatter(x @ W_r.T, dim) + b``: ``[..., S, K/N] -> [..., S/N, F]``."""
         w = self.weight.T
         if self.collective_matmul:
             y = matmul_reduce_scatter(x, w, dim=self.dim, bidirectional=self.bidirectional)
@@ -248,4 +204,5 @@ class SequenceParallelMLP(nn.Module):
         )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``fc2(activation(fc1(x)))``: ``[..., S/N, H] -> [..., S/N, H]``."""
         return self.fc2(self.activation(self.fc1(x)))
