@@ -1,0 +1,225 @@
+"""``python -m xla_permute bench`` on tiny sizes (one smoke run: three mesh launches), and its
+parts without a mesh. No timing is asserted; memory and bytes are deterministic and are."""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import math
+
+import pytest
+
+from xla_permute import bench
+from xla_permute.__main__ import main
+from xla_permute.bench import PRESETS, PROGRAMS, BenchConfig, BenchProgram
+
+TINY = PRESETS["tiny"]
+F32 = 4
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    path = tmp_path_factory.mktemp("bench") / "bench.json"
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        code = main(["bench", "--preset", "tiny", "--json", str(path)])
+    return code, json.loads(path.read_text()), out.getvalue(), err.getvalue()
+
+
+def rows_by_name(result, key="programs"):
+    return {r["name"]: r for r in result[key]}
+
+
+def test_smoke_runs_the_whole_pipeline(smoke):
+    code, result, out, err = smoke
+    assert code == 0, out
+    assert result["config"] == {**vars_of(TINY)}
+    rows = rows_by_name(result)
+    assert sorted(rows) == sorted(p.name for p in PROGRAMS)
+    for r in rows.values():
+        assert r["trace_s"] > 0 and r["compile_s"] > 0 and r["run_s"] > 0
+        assert r["fusions"] >= 1
+    scaling = rows_by_name(result, "scaling")
+    assert sorted(scaling) == sorted(rows) and {r["n"] for r in scaling.values()} == {8}
+    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 12
+    # Every figure names its backend, in the JSON and in the printed tables.
+    assert result["backends"]["run_s"].startswith("emulated")
+    for key in ("trace_s", "compile_s", "peak_bytes", "bytes"):
+        assert result["backends"][key].startswith("native")
+    assert "run ms (emulated)" in out and "compile ms (native)" in out
+    assert "Targets (reported, not enforced)" in out
+    assert "[bench]" in err and "8-device CPU mesh" in err  # progress goes to stderr
+
+
+def vars_of(config: BenchConfig) -> dict[str, int]:
+    return {k: getattr(config, k) for k in BenchConfig.__dataclass_fields__}
+
+
+def test_all_gather_matmul_sends_what_the_baseline_sends(smoke):
+    _, result, _, _ = smoke
+    rows, n, (m, k) = rows_by_name(result), TINY.n, (TINY.m, TINY.k)
+    block = m * k * F32  # one x shard
+    base = rows["all_gather_matmul/baseline"]["bytes"]
+    assert base["gathered_bytes"] == n * block
+    assert base["total"] == (n - 1) * block  # (N-1)/N of the gathered operand
+    uni = rows["all_gather_matmul/uni"]["bytes"]
+    bi = rows["all_gather_matmul/bi"]["bytes"]
+    assert uni["total"] == bi["total"] == base["total"]
+    assert uni["per_step"] == [block] * (n - 1) + [0]  # one block per step, none at the last
+    assert bi["per_step"] == [2 * block, block, 0]  # both ways, then the last one way (N=4)
+    assert [kind for kind, _ in uni["per_collective"]] == ["collective-permute"] * (n - 1)
+    for r in rows_by_name(result, "scaling").values():
+        if r["op"] == "all_gather_matmul":
+            assert r["bytes_total"] == (8 - 1) * block
+
+
+def test_matmul_reduce_scatter_sends_what_the_baseline_sends(smoke):
+    _, result, _, _ = smoke
+    rows, n = rows_by_name(result), TINY.n
+    partial = TINY.m * TINY.f * F32  # one float32 partial-sum block
+    for method in ("uni", "bi", "baseline"):
+        assert rows[f"matmul_reduce_scatter/{method}"]["bytes"]["total"] == (n - 1) * partial
+
+
+def test_memory_comes_from_the_right_compiled_program(smoke):
+    _, result, _, _ = smoke
+    rows, n, (m, k, f) = rows_by_name(result), TINY.n, (TINY.m, TINY.k, TINY.f)
+    gathered, w = n * m * k * F32, k * f * F32
+    for variant in ("token", "no_token"):
+        base = rows["all_gather_matmul/baseline"]["peak_bytes"][variant]
+        for mode in ("input", "computed"):
+            assert base[mode] >= gathered + w  # the baseline holds the gathered x
+            for method in ("uni", "bi"):
+                # the ring never holds the gathered x: below the baseline
+                peak = rows[f"all_gather_matmul/{method}"]["peak_bytes"][variant][mode]
+                assert peak < base[mode]
+        uni = rows["all_gather_matmul/uni"]["peak_bytes"][variant]
+        assert uni["input"] >= m * k * F32 + w  # x and w are resident inputs
+        ratio = result["ratios"]["n"]["all_gather_matmul/uni"]["peak"][variant]["input"]
+        assert ratio == pytest.approx(uni["input"] / base["input"])
+    for r in rows.values():  # every rank compiled its own program; the largest is reported
+        for variant, modes in r["peak_bytes_per_rank"].items():
+            for mode, per_rank in modes.items():
+                assert len(per_rank) == n and r["peak_bytes"][variant][mode] == max(per_rank)
+
+
+def test_the_token_serialises_the_two_directions_of_a_bidirectional_step(smoke):
+    _, result, _, _ = smoke
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        token, no_token = rows_by_name(result)[f"{op}/bi"]["chain"].values()
+        assert token["permutes"] == no_token["permutes"] == TINY.n - 1
+        assert token["same_step"] == no_token["same_step"] == 1
+        # torch_xla's numeric token orders every permute after the previous one ...
+        assert token["same_step_chained"] == 1 and token["chained"] == token["permutes"] - 1
+        # ... and without it the two directions of a step are independent
+        assert no_token["same_step_chained"] == 0
+    for op in ("all_gather_matmul", "matmul_reduce_scatter"):
+        uni = rows_by_name(result)[f"{op}/uni"]["chain"]["no_token"]
+        assert uni["chained"] == uni["permutes"] - 1  # a one-way ring is a chain through its data
+
+
+def test_emulated_results_equal_the_baseline(smoke):
+    _, result, _, _ = smoke
+    for r in result["programs"]:
+        assert r["same_as_baseline"] is (None if r["method"] == "baseline" else True)
+
+
+# ---------------------------------------------------------------- without a mesh
+
+
+def test_config_options_override_the_preset():
+    parser = argparse.ArgumentParser()
+    bench.add_arguments(parser)
+    args = parser.parse_args(["--preset", "tiny", "-k", "64", "--scaling-n", "0"])
+    assert bench.config_from_args(args) == BenchConfig(
+        m=8, k=64, f=8, scaling_n=0, repeats=1, warmup=1, compile_repeats=1
+    )
+    assert bench.config_from_args(parser.parse_args([])) == PRESETS["default"]
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        ({"m": 0}, "m must be a positive int"),
+        ({"k": 2.5}, "k must be a positive int"),
+        ({"n": 1}, "at least 2 devices"),
+        ({"scaling_n": 1}, "scaling_n=0 skips"),
+        ({"warmup": -1}, "warmup must be an int >= 0"),
+    ],
+)
+def test_bad_config_is_refused(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        BenchConfig(**kwargs)
+
+
+def test_bad_option_exits_2_before_any_launch(capsys):
+    assert main(["bench", "-n", "1"]) == 2
+    assert "at least 2 devices" in capsys.readouterr().err
+
+
+def test_memory_report_parsing(tmp_path):
+    good = tmp_path / "a-memory-usage-report.txt"
+    good.write_text("Total bytes used: 109051916 (104.00MiB)\n\nAllocations sorted by size:\n")
+    assert bench.read_memory_report(good) == 104 * 2**20 + 12
+    bad = tmp_path / "b-memory-usage-report.txt"
+    bad.write_text("Allocations sorted by size:\n")
+    with pytest.raises(ValueError, match="expected 'Total bytes used:'"):
+        bench.read_memory_report(bad)
+
+
+def permute(name: str, source: str, shift: int, n: int = 4) -> str:
+    pairs = ",".join(f"{{{r},{(r + shift) % n}}}" for r in range(n))
+    return (
+        f"  %{name} = f32[2,4]{{1,0}} collective-permute(f32[2,4]{{1,0}} %{source}), "
+        f"source_target_pairs={{{pairs}}}"
+    )
+
+
+def module(*lines: str) -> str:
+    head = ["ENTRY %e (p: f32[2,4]) -> f32[2,4] {", "  %p = f32[2,4]{1,0} parameter(0)"]
+    return "\n".join([*head, *lines, "}"])
+
+
+def test_byte_accounting_follows_the_schedule():
+    uni = BenchProgram("all_gather_matmul", "uni")
+    ring = [permute("a", "p", 1), permute("b", "a", 1), permute("c", "b", 1)]
+    account = bench.account_bytes(uni, module(*ring), 4)
+    assert account.per_step == (32, 32, 32, 0) and account.total == 96
+    with pytest.raises(ValueError, match="do not match the schedule"):
+        bench.account_bytes(uni, module(*ring[:2]), 4)
+    with pytest.raises(ValueError, match="do not match the schedule"):  # all three go one way
+        bench.chain_report(BenchProgram("all_gather_matmul", "bi"), module(*ring), 4)
+
+
+def test_chain_report_reads_directions_and_dependencies_not_text_order():
+    bi = BenchProgram("all_gather_matmul", "bi")
+    # Step 0 sends both ways, step 1 one way; the text lists the -1 permute first.
+    free = module(permute("down", "p", -1), permute("up0", "p", 1), permute("up1", "up0", 1))
+    assert bench.permute_steps(bi, free, 4) == [["up0", "down"], ["up1"], []]
+    assert bench.chain_report(bi, free, 4) == {
+        "permutes": 3,
+        "chained": 0,
+        "same_step": 1,
+        "same_step_chained": 0,
+    }
+    # A token-like dependency of the -1 permute on the +1 one serialises the step.
+    tied = module(
+        permute("up0", "p", 1),
+        "  %tok = f32[2,4]{1,0} add(f32[2,4]{1,0} %p, f32[2,4]{1,0} %up0)",
+        permute("down", "tok", -1),
+        permute("up1", "up0", 1),
+    )
+    assert bench.account_bytes(bi, tied, 4).per_step == (64, 32, 0)
+    assert bench.chain_report(bi, tied, 4)["same_step_chained"] == 1
+
+
+def test_report_labels_ratios_and_missed_targets(smoke):
+    _, result, _, _ = smoke
+    text = bench.format_report(result)
+    assert text.count("1 (baseline)") == 2 * (2 + 1 + 4 + 1)  # time, N=8, memory, bytes
+    assert "x computed, no token" in text and "two-direction steps serialised" in text
+    for t in result["targets"]:
+        assert math.isfinite(t["value"])
+        assert ("[met]" if t["met"] else "[missed]") + " " + t["target"] in text
