@@ -158,17 +158,18 @@ def native_permute_hlo(cases: list[tuple[Any, Any]]) -> str:
     """HLO of one program with a native ``collective_permute`` per ``(pairs, groups)``.
 
     Traced on this rank and never executed (the results die before any ``xm.mark_step``):
-    the CPU mesh cannot run a collective without a channel id. Run it after a ``mark_step``,
-    or the program also holds the collectives traced before it.
+    the CPU mesh cannot run a collective without a channel id. The program stands alone:
+    collectives traced before or after it are kept out of it (see
+    :func:`xla_permute.tracing.discard_traced_collectives`).
     """
     import torch_xla
     import torch_xla.runtime as xr
 
     from xla_permute.permute import collective_permute
-
-    x = torch.full((2, 3), float(xr.global_ordinal() + 1), device=torch_xla.device())
     from xla_permute.tracing import discard_traced_collectives
 
+    discard_traced_collectives()
+    x = torch.full((2, 3), float(xr.global_ordinal() + 1), device=torch_xla.device())
     ys = [collective_permute(x, p, groups=g, backend="native") for p, g in cases]
     text = torch_xla._XLAC._get_xla_tensors_hlo(ys)
     discard_traced_collectives()  # or torch_xla's token would chain them into later programs
