@@ -31,7 +31,15 @@ def test_every_caveat_is_complete_and_sourced():
 @pytest.mark.parametrize(
     "device_type, required",
     [
-        ("TPU", {"tpu-collective-matmul-flag", "tpu-libtpu-overlap-flags", "pin-layout"}),
+        (
+            "TPU",
+            {
+                "tpu-collective-matmul-flag",
+                "tpu-libtpu-overlap-flags",
+                "pin-layout",
+                "collective-token",
+            },
+        ),
         (
             "NEURON",
             {
@@ -41,9 +49,10 @@ def test_every_caveat_is_complete_and_sourced():
                 "neuron-pin-layout-false",
                 "neuron-xla-training-ended",
                 "pin-layout",
+                "collective-token",
             },
         ),
-        ("CPU", {"cpu-thread-pool", "cpu-channel-ids", "pin-layout"}),
+        ("CPU", {"cpu-thread-pool", "cpu-channel-ids", "pin-layout", "collective-token"}),
         ("CUDA", {"gpu-removed", "pin-layout"}),
     ],
 )

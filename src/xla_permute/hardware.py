@@ -26,7 +26,7 @@ Traceback (most recent call last):
 ...
 ValueError: pairs [(0, 1), (1, 2)] form an open chain 0 -> 1 -> 2: NEURON runs only ...
 >>> sorted(c.id for c in caveats("CPU"))
-['cpu-channel-ids', 'cpu-thread-pool', 'pin-layout']
+['collective-token', 'cpu-channel-ids', 'cpu-thread-pool', 'pin-layout']
 """
 
 from __future__ import annotations
@@ -345,6 +345,31 @@ _CAVEATS: tuple[Caveat, ...] = (
             "announce-no-support-pytorch-xla-training.html",
         ),
         evidence="quoted from the cited AWS announcements",
+    ),
+    Caveat(
+        id="collective-token",
+        applies_to=("TPU", "NEURON", "CPU"),
+        severity="performance",
+        summary="torch_xla orders every collective after the previous one through a token",
+        what_goes_wrong=(
+            "Each xm collective takes the device's token and returns the next one, so in the "
+            "native program every collective-permute depends on the one before: the two "
+            "directions of a bidirectional collective-matmul step are serialised instead of "
+            "using both link directions at once, and each operand is copied (a zero-valued "
+            "add of the token) before it is sent. DISABLE_NUMERIC_CC_TOKEN=1, read by "
+            "torch_xla's C++ runtime, turns the token off; AWS runs Neuron with it set."
+        ),
+        library_action=(
+            "Leaves the token on (torch_xla's default keeps the collective order identical on "
+            "every rank). tests/test_tracing.py shows the chain in the HLO; `bench` measures "
+            "peak memory with the token on and off."
+        ),
+        sources=(f"{_PT_XLA}/issues/6077", f"{_PT_XLA}/issues/4912", f"{_PT_XLA}/issues/1420"),
+        evidence=(
+            "the dependency chain is checked on every build (tests/test_tracing.py, tutorial "
+            "03); the variable name is in the installed _XLAC library; the Neuron setting is "
+            "quoted from issue 6077"
+        ),
     ),
     Caveat(
         id="cpu-thread-pool",
