@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from xla_permute.tracing import discard_traced_collectives
+
 
 def permute_cases(cases: list[dict[str, Any]], backend: str = "auto") -> list[dict[str, Any]]:
     """Run every case on this rank; return its outputs (and input gradients for float cases).
@@ -44,13 +46,6 @@ def _x(kind: str = "xla") -> Any:
     if kind == "list":
         return value.tolist()
     return value if kind == "cpu" else value.to(torch_xla.device())
-
-
-def _fresh_token() -> None:
-    """Keep earlier traced collectives out of the next HLO (torch_xla chains them by a token)."""
-    from xla_permute.tracing import discard_traced_collectives
-
-    discard_traced_collectives()
 
 
 def bad_inputs(cases: list[dict[str, Any]]) -> dict[str, Any]:
@@ -97,21 +92,21 @@ def traced_hlo(native_cases: list[dict[str, Any]]) -> dict[str, Any]:
     hlo = torch_xla._XLAC._get_xla_tensors_hlo
     out: dict[str, Any] = {"native": []}
     for case in native_cases:
-        _fresh_token()
+        discard_traced_collectives()
         x = _x().requires_grad_(True)
         y = collective_permute(x, case["pairs"], groups=case["groups"], backend="native")
         forward = hlo([y])
-        _fresh_token()
+        discard_traced_collectives()
         y.sum().backward()
         out["native"].append({"forward": forward, "backward": hlo([x.grad])})
         del x, y
     n = xr.world_size()
     ring = [(r, (r + 1) % n) for r in range(n)]
-    _fresh_token()
+    discard_traced_collectives()
     out["emulated_ring"] = hlo([collective_permute(_x(), ring, backend="emulated")])
     out["empty"] = {}
     for backend in ("native", "emulated"):
-        _fresh_token()
+        discard_traced_collectives()
         out["empty"][backend] = hlo([collective_permute(_x(), [], backend=backend)])
     return out
 

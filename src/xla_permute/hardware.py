@@ -953,12 +953,14 @@ def pin_layout_hlo() -> dict[str, str]:
             x, [[r, (r + 1) % n] for r in range(n)]
         ),
     }
+    from xla_permute.tracing import discard_traced_collectives
+
     out = {}
     for name, op in ops.items():
-        torch_xla._XLAC._set_all_reduce_token(str(device), None)
+        discard_traced_collectives()  # each program holds its own collective only
         x = torch.full((2, 3), float(xr.global_ordinal()), device=device)
         out[name] = torch_xla._XLAC._get_xla_tensors_hlo([op(x)])
-    torch_xla._XLAC._set_all_reduce_token(str(device), None)
+    discard_traced_collectives()
     return out
 
 

@@ -34,6 +34,7 @@ import torch
 
 from xla_permute.permute import Backend, check_xla_tensor, resolve_backend
 from xla_permute.shift import resolve_wrap, stage_shift
+from xla_permute.tracing import discard_traced_collectives
 
 __all__ = [
     "BackendCall",
@@ -519,17 +520,6 @@ def sendrecv_code_path() -> dict[str, BackendCall]:
     return out
 
 
-def _restart_collective_order() -> None:
-    """Start a new chain of collectives on this device, as ``torch_xla.sync()`` does.
-
-    torch_xla orders a device's collectives with a token that each one consumes and produces,
-    so a traced program contains every collective since the last sync; a sync resets it.
-    """
-    import torch_xla
-
-    torch_xla._XLAC._set_all_reduce_token(str(torch_xla.device()), None)
-
-
 class _SendRecvReplay:
     """The code path of ``ProcessGroupXla.send`` / ``.recv`` (torch_xla 2.9), traced only.
 
@@ -549,7 +539,7 @@ class _SendRecvReplay:
         import torch_xla
 
         self.programs.append(torch_xla._XLAC._get_xla_tensors_hlo([result]))
-        _restart_collective_order()
+        discard_traced_collectives()
         return torch.zeros(result.shape, dtype=result.dtype).to(result.device)
 
     def send(self, tensor: torch.Tensor, dst: int) -> None:
@@ -633,7 +623,7 @@ def traced_step_programs(
         loss.backward()
         grads = [p.grad for p in params.values()]
         out[name] = [torch_xla._XLAC._get_xla_tensors_hlo([loss, *grads])]
-        _restart_collective_order()  # the next trace starts a program of its own
+        discard_traced_collectives()  # the next trace starts a program of its own
     params = {
         k: v.to(device).requires_grad_() for k, v in mlp_stage_params(rank, dim, hidden).items()
     }
