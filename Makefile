@@ -19,7 +19,7 @@ test: $(STAMP)
 	$(BIN)/python -m pytest
 
 docs: $(STAMP)
-	$(BIN)/sphinx-build -n -W --keep-going -b html docs docs/_build/html
+	$(BIN)/sphinx-build -T -n -W --keep-going -b html docs docs/_build/html
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests conftest.py docs/conf.py
