@@ -1,4 +1,4 @@
-"""Command line: ``python -m xla_permute demo``."""
+"""Command line: ``python -m xla_permute demo | doctor | bench``."""
 
 from __future__ import annotations
 
