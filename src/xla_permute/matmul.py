@@ -46,6 +46,16 @@ def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float32 if dtype in _HALF else dtype
 
 
+def _block(t: torch.Tensor, index: int, n: int, dim: int) -> torch.Tensor:
+    """Block ``index`` of ``n`` equal blocks of ``t`` along ``dim``.
+
+    ``narrow`` lowers to one slice; ``t.chunk(n)`` would lower all n slices again for every
+    block used (n^2 slices in the program).
+    """
+    size = t.shape[dim] // n
+    return t.narrow(dim, index * size, size)
+
+
 def _rows(t: torch.Tensor) -> torch.Tensor:
     """Merge every dimension but the last: ``[..., c] -> [rows, c]``."""
     return t.reshape(-1, t.shape[-1])
@@ -129,12 +139,12 @@ def _ring_matmul_reduce_scatter(
 ) -> torch.Tensor:
     n, rank = _world()
     acc = _accumulation_dtype(x.dtype)
-    x_blocks, w_acc = x.chunk(n, dim), w.to(acc)
+    w_acc = w.to(acc)
     received: dict[int, torch.Tensor] = {}
     summed: dict[int, torch.Tensor] = {}
     for step in reduce_scatter_schedule(n, rank, bidirectional):
         for direction, block in zip((1, -1), step.blocks, strict=False):
-            partial = x_blocks[block].to(acc) @ w_acc
+            partial = _block(x, block, n, dim).to(acc) @ w_acc
             summed[direction] = received[direction] + partial if direction in received else partial
         for d in step.sends:  # carries this step's sums; overlaps the next step's matmuls
             received[d] = collective_permute(summed[d], ring_pairs(n, d), backend=backend)
@@ -144,18 +154,22 @@ def _ring_matmul_reduce_scatter(
 
 def _stream_weight_grad(
     streamed: torch.Tensor,
-    local_blocks: tuple[torch.Tensor, ...],
+    local: torch.Tensor,
+    dim: int,
     streamed_is_lhs: bool,
     bidirectional: bool,
     backend: str,
     out_dtype: torch.dtype,
 ) -> torch.Tensor:
-    """``sum_b lhs_b.T @ rhs_b`` with one operand streamed around the ring, the other local."""
+    """``sum_b lhs_b.T @ rhs_b``: one operand streamed round the ring, the other ``local``, whose
+    block ``b`` along ``dim`` pairs with the block that came from rank ``b``."""
     acc_dtype = _accumulation_dtype(out_dtype)
     terms: list[torch.Tensor] = []
+    n, _ = _world()
 
     def accumulate(source: int, held: torch.Tensor) -> None:
-        lhs, rhs = (held, local_blocks[source]) if streamed_is_lhs else (local_blocks[source], held)
+        mine = _block(local, source, n, dim)
+        lhs, rhs = (held, mine) if streamed_is_lhs else (mine, held)
         terms.append(_rows(lhs).to(acc_dtype).T @ _rows(rhs).to(acc_dtype))
 
     _stream(streamed, bidirectional, backend, accumulate)
@@ -174,10 +188,9 @@ class _AllGatherMatmul(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor):
         x, w = ctx.saved_tensors
         dim, bi, backend = ctx.args
-        n, _ = _world()
         dy = dy.contiguous()
         dx = _ring_matmul_reduce_scatter(dy, w.T, dim, bi, backend)
-        dw = _stream_weight_grad(x, dy.chunk(n, dim), True, bi, backend, w.dtype)
+        dw = _stream_weight_grad(x, dy, dim, True, bi, backend, w.dtype)
         return dx, dw, None, None, None
 
 
@@ -193,10 +206,9 @@ class _MatmulReduceScatter(torch.autograd.Function):
     def backward(ctx: Any, dy: torch.Tensor):
         x, w = ctx.saved_tensors
         dim, bi, backend = ctx.args
-        n, _ = _world()
         dy = dy.contiguous()
         dx = _ring_all_gather_matmul(dy, w.T, dim, bi, backend)
-        dw = _stream_weight_grad(dy, x.chunk(n, dim), False, bi, backend, w.dtype)
+        dw = _stream_weight_grad(dy, x, dim, False, bi, backend, w.dtype)
         return dx, dw, None, None, None
 
 
