@@ -1,4 +1,4 @@
-from xla_permute.demo import CHECKS, Row, format_table
+from xla_permute.demo import CHECKS, Row, format_table, run_checks
 
 
 def test_checks_have_unique_names():
@@ -11,3 +11,9 @@ def test_table_has_a_row_per_check():
     table = format_table(rows).splitlines()
     assert table[0].split() == ["check", "backend", "result", "time"]
     assert "500 ms" in table[2] and "rank 1: x" in table[3]
+
+
+def test_every_check_passes_on_a_two_device_mesh():
+    rows = run_checks(n=2)
+    assert [r.check for r in rows] == [c.name for c in CHECKS]
+    assert all(r.ok for r in rows), [(r.check, r.detail) for r in rows if not r.ok]
