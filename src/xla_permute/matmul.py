@@ -176,40 +176,33 @@ def _stream_weight_grad(
     return torch.stack(terms).sum(0).to(out_dtype)
 
 
-class _AllGatherMatmul(torch.autograd.Function):
+class _RingMatmul(torch.autograd.Function):
+    """Both collective matmuls: ``gather=True`` is all-gather-matmul, ``False`` the other.
+
+    Each one's backward for x is the other ring; for w it streams the sharded operand (x for
+    all-gather-matmul, dy for matmul-reduce-scatter) round the ring once more.
+    """
+
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, dim: int, bi: bool, backend: str):
+    def forward(
+        ctx: Any, x: torch.Tensor, w: torch.Tensor, dim: int, bi: bool, backend: str, gather: bool
+    ) -> torch.Tensor:
         ctx.save_for_backward(x, w)
-        ctx.args = dim, bi, backend
-        return _ring_all_gather_matmul(x, w, dim, bi, backend)
+        ctx.args = dim, bi, backend, gather
+        ring = _ring_all_gather_matmul if gather else _ring_matmul_reduce_scatter
+        return ring(x, w, dim, bi, backend)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, dy: torch.Tensor):
         x, w = ctx.saved_tensors
-        dim, bi, backend = ctx.args
+        dim, bi, backend, gather = ctx.args
         dy = dy.contiguous()
-        dx = _ring_matmul_reduce_scatter(dy, w.T, dim, bi, backend)
-        dw = _stream_weight_grad(x, dy, dim, True, bi, backend, w.dtype)
-        return dx, dw, None, None, None
-
-
-class _MatmulReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor, dim: int, bi: bool, backend: str):
-        ctx.save_for_backward(x, w)
-        ctx.args = dim, bi, backend
-        return _ring_matmul_reduce_scatter(x, w, dim, bi, backend)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dy: torch.Tensor):
-        x, w = ctx.saved_tensors
-        dim, bi, backend = ctx.args
-        dy = dy.contiguous()
-        dx = _ring_all_gather_matmul(dy, w.T, dim, bi, backend)
-        dw = _stream_weight_grad(dy, x, dim, False, bi, backend, w.dtype)
-        return dx, dw, None, None, None
+        dual = _ring_matmul_reduce_scatter if gather else _ring_all_gather_matmul
+        dx = dual(dy, w.T, dim, bi, backend)
+        streamed, local = (x, dy) if gather else (dy, x)
+        dw = _stream_weight_grad(streamed, local, dim, gather, bi, backend, w.dtype)
+        return dx, dw, None, None, None, None
 
 
 def all_gather_matmul(
@@ -238,7 +231,7 @@ def all_gather_matmul(
     dim = _check(x, w, dim, "all_gather_matmul", sharded_input=False)
     if _world()[0] == 1:
         return x @ w
-    return _AllGatherMatmul.apply(x, w, dim, bool(bidirectional), resolve_backend(backend))
+    return _RingMatmul.apply(x, w, dim, bool(bidirectional), resolve_backend(backend), True)
 
 
 def matmul_reduce_scatter(
@@ -267,7 +260,7 @@ def matmul_reduce_scatter(
     dim = _check(x, w, dim, "matmul_reduce_scatter", sharded_input=True)
     if _world()[0] == 1:
         return x @ w
-    return _MatmulReduceScatter.apply(x, w, dim, bool(bidirectional), resolve_backend(backend))
+    return _RingMatmul.apply(x, w, dim, bool(bidirectional), resolve_backend(backend), False)
 
 
 def all_gather_then_matmul(x: torch.Tensor, w: torch.Tensor, *, dim: int) -> torch.Tensor:
