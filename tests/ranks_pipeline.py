@@ -49,16 +49,13 @@ def pipeline_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
 
     Returns the error messages, the per-case results of
     :func:`xla_permute.pipeline.mlp_pipeline_cases` (one program) and the HLO of
-    :func:`xla_permute.pipeline.traced_step_programs` (traced after that program ran, never
+    :func:`xla_permute.sendrecv.traced_step_programs` (traced after that program ran, never
     executed).
     """
     import torch_xla
 
-    from xla_permute.pipeline import (
-        mlp_pipeline_cases,
-        pipeline_forward,
-        traced_step_programs,
-    )
+    from xla_permute.pipeline import mlp_pipeline_cases, pipeline_forward
+    from xla_permute.sendrecv import traced_step_programs
 
     device = torch_xla.device()
     good = torch.zeros(3, 2, 4, device=device)
