@@ -11,14 +11,6 @@ def rank_times(k: int) -> int:
     return k * xr.global_ordinal()
 
 
-def xla_tensor_of_rank() -> dict[str, object]:
-    import torch_xla
-    import torch_xla.runtime as xr
-
-    r = xr.global_ordinal()
-    return {"t": torch.full((2,), float(r), device=torch_xla.device()) * 2, "r": [r, (r,)]}
-
-
 def rank_two_raises() -> int:
     import torch_xla.runtime as xr
 
@@ -31,9 +23,15 @@ def rank_zero_skips_collective() -> torch.Tensor | None:
     """Ranks 1..N-1 all-gather (and wait for the result); rank 0 never joins."""
     import torch_xla.runtime as xr
 
-    from xla_permute.examples import all_gather_ranks
+    import xla_permute as xp
 
-    return all_gather_ranks() if xr.global_ordinal() != 0 else None
+    if xr.global_ordinal() == 0:
+        return None
+    import torch_xla
+
+    x = torch.ones(2, device=torch_xla.device())
+    y = xp.all_gather(x, dim=0)
+    return y.cpu()
 
 
 def sleep_forever() -> None:

@@ -1,7 +1,12 @@
+"""run_on_mesh: results, rank functions by reference and by value, and every failure mode."""
+
+import collections
+import dataclasses
 import functools
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 
 import pytest
@@ -14,56 +19,183 @@ from xla_permute.launch import mesh_environment
 
 def test_results_come_back_in_rank_order_and_on_cpu():
     assert run_on_mesh(rank_fns.rank_times, 3, n=4) == [0, 3, 6, 9]
-    results = run_on_mesh(rank_fns.xla_tensor_of_rank, n=2)
-    for r, out in enumerate(results):
-        assert out["t"].device.type == "cpu"
-        assert torch.equal(out["t"], torch.full((2,), 2.0 * r))
-        assert out["r"] == [r, (r,)]
+
+
+Pair = collections.namedtuple("Pair", "tensor rank")
+
+
+@dataclasses.dataclass
+class Box:
+    tensor: torch.Tensor
+    nested: dict
+
+
+def _containers():
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    r = xr.global_ordinal()
+    t = torch.full((2,), float(r), device=torch_xla.device()) * 2
+    return {"plain": t, "list": [r, (r,)], "pair": Pair(t, r), "box": Box(t, {"k": [t]})}
+
+
+def test_xla_tensors_in_any_container_come_back_on_cpu():
+    for r, out in enumerate(run_on_mesh(_containers, n=2)):
+        want = torch.full((2,), 2.0 * r)
+        assert out["list"] == [r, (r,)]
+        assert isinstance(out["pair"], Pair) and out["pair"].rank == r
+        assert isinstance(out["box"], Box)
+        for t in (out["plain"], out["pair"].tensor, out["box"].tensor, out["box"].nested["k"][0]):
+            assert t.device.type == "cpu" and torch.equal(t, want)
 
 
 def test_single_device_mesh():
     assert run_on_mesh(rank_fns.rank_times, 5, n=1) == [0]
 
 
-@pytest.mark.parametrize("n", [0, -2])
-def test_n_below_one(n):
-    with pytest.raises(ValueError, match="n must be >= 1"):
-        run_on_mesh(rank_fns.rank_times, 1, n=n)
+# --- rank functions by value -----------------------------------------------------------------
+
+SCALE = 10  # a global of this module, used by the functions below
 
 
-def test_n_not_an_int():
-    with pytest.raises(TypeError, match="n must be an int"):
-        run_on_mesh(rank_fns.rank_times, 1, n=2.0)
+def test_closure_lambda_partial_and_main_functions_travel_by_value():
+    offset = 7
+
+    def closure():
+        import torch_xla.runtime as xr
+
+        return SCALE * xr.global_ordinal() + offset
+
+    def in_main():
+        import torch_xla.runtime as xr
+
+        return -xr.global_ordinal()
+
+    in_main.__module__ = "__main__"  # as if defined in a script or a notebook kernel
+    in_main.__qualname__ = "in_main"
+
+    def run_all(fns):
+        return [f() for f in fns]
+
+    fns = [closure, in_main, lambda: offset, functools.partial(rank_fns.rank_times, 2)]
+    assert run_on_mesh(run_all, fns, n=2) == [[7, 0, 7, 0], [17, -1, 7, 2]]
+    assert run_on_mesh(lambda k: k + 1, 1, n=1) == [2]
 
 
-def test_environment_sets_thread_pool_at_least_n():
-    env = mesh_environment(8, env=None)
-    assert env["CPU_NUM_DEVICES"] == "8" and int(env["XLA_THREAD_POOL_SIZE"]) >= 8
+def test_script_whose_rank_function_lives_in_main(tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import torch
+            import xla_permute as xp
+
+            N = 2
+
+            def shift(xs):
+                import torch_xla
+                import torch_xla.runtime as xr
+
+                x = xs[xr.global_ordinal()].to(torch_xla.device())
+                return xp.collective_permute(x, xp.ring_pairs(N))
+
+            if __name__ == "__main__":
+                xs = torch.arange(4.0).reshape(N, 2)
+                print([y.tolist() for y in xp.run_on_mesh(shift, xs, n=N)])
+            """
+        )
+    )
+    out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    assert out.stdout.strip() == "[[2.0, 3.0], [0.0, 1.0]]", out.stdout + out.stderr
 
 
-def _in_main():
-    return 1
+LOCK = threading.Lock()
 
 
-_in_main.__module__ = "__main__"  # as if defined in a script or a notebook kernel
+def test_global_that_cannot_be_sent_is_named():
+    def uses_lock():  # a closure goes by value, with the globals it uses
+        with LOCK:
+            return 1
+
+    with pytest.raises(TypeError, match=r"uses 'LOCK' \(lock\).*create it inside the function"):
+        run_on_mesh(uses_lock)
+
+
+def test_argument_that_cannot_be_sent_is_named():
+    with pytest.raises(TypeError, match=r"args\[1\] \(lock\) cannot be sent"):
+        run_on_mesh(rank_fns.rank_times, 1, threading.Lock())
+
+
+def test_xla_tensor_global_is_named_with_the_fix():
+    code = textwrap.dedent(
+        """
+        import os
+        os.environ["PJRT_DEVICE"] = "CPU"
+        import torch, torch_xla
+        import xla_permute as xp
+        t = torch.zeros(2, device=torch_xla.device())
+        def uses_t():
+            return t + 1
+        try:
+            xp.run_on_mesh(uses_t, n=2)
+        except TypeError as e:
+            print("TypeError:", e)
+        try:
+            xp.run_on_mesh(lambda: 1, n=2)
+        except xp.MeshError as e:
+            print("MeshError:", e)
+        """
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert "TypeError: fn uses_t uses 't' (Tensor)" in out.stdout, out.stdout + out.stderr
+    assert "pass a CPU copy (t.cpu()) as an argument" in out.stdout
+    assert "MeshError: The XLA runtime is already initialised in this process" in out.stdout
+
+
+def _unpicklable_result():
+    return threading.Lock()
+
+
+def test_result_that_cannot_be_sent_back_names_the_rank():
+    with pytest.raises(RankError, match="rank 0 of 1 raised TypeError: the result of rank 0"):
+        run_on_mesh(_unpicklable_result, n=1)
+
+
+# --- argument checks -------------------------------------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "fn",
-    [lambda: 1, functools.partial(rank_fns.rank_times, 1), _in_main],
-    ids=["lambda", "partial", "main"],
+    ("kwargs", "error", "match"),
+    [
+        ({"n": 0}, ValueError, "n must be >= 1"),
+        ({"n": -2}, ValueError, "n must be >= 1"),
+        ({"n": 2.0}, TypeError, "n must be an int"),
+        ({"n": True}, TypeError, "n must be an int"),
+        ({"timeout": -1}, ValueError, "timeout must be > 0"),
+        ({"timeout": "30"}, TypeError, "timeout must be a number"),
+        ({"env": ["A=1"]}, TypeError, "env must be a dict"),
+        ({"env": {"FOO": 1}}, TypeError, "names and values must be str"),
+        ({"env": {"CPU_NUM_DEVICES": "2"}}, ValueError, "CPU_NUM_DEVICES='4'"),
+        ({"env": {"PJRT_DEVICE": "TPU"}}, ValueError, "PJRT_DEVICE='CPU'"),
+        ({"env": {"XLA_THREAD_POOL_SIZE": "2"}}, ValueError, "below the 4 devices"),
+    ],
 )
-def test_function_that_cannot_be_imported(fn):
-    with pytest.raises(TypeError, match="cannot be imported"):
-        run_on_mesh(fn)
+def test_bad_arguments_raise_before_launch(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        run_on_mesh(rank_fns.rank_times, 1, **kwargs)
 
 
-def test_closure_cannot_be_imported():
-    def inner():
-        return 1
+def test_not_callable():
+    with pytest.raises(TypeError, match="fn must be a callable"):
+        run_on_mesh(3)
 
-    with pytest.raises(TypeError, match="notebook cell.*Define the function at the top level"):
-        run_on_mesh(inner)
+
+def test_environment_sets_thread_pool_at_least_n():
+    env = mesh_environment(8, env={"XLA_THREAD_POOL_SIZE": "16", "CPU_NUM_DEVICES": "8"})
+    assert env["CPU_NUM_DEVICES"] == "8" and int(env["XLA_THREAD_POOL_SIZE"]) >= 8
+
+
+# --- failures on the mesh --------------------------------------------------------------------
 
 
 def test_rank_error_names_rank_and_keeps_original():
@@ -86,24 +218,3 @@ def test_mismatched_collective_is_a_clear_bounded_error():
 def test_hang_is_killed_at_timeout():
     with pytest.raises(MeshError, match="did not finish within 3 s"):
         run_on_mesh(rank_fns.sleep_forever, n=2, timeout=3)
-
-
-def test_runtime_already_initialised_in_caller():
-    code = textwrap.dedent(
-        """
-        import os
-        os.environ["PJRT_DEVICE"] = "CPU"
-        import torch, torch_xla
-        torch.zeros(1, device=torch_xla.device()).cpu()
-        from xla_permute import MeshError, run_on_mesh
-        from xla_permute.examples import world_and_rank
-        try:
-            run_on_mesh(world_and_rank, n=2)
-        except MeshError as e:
-            print("MeshError:", e)
-        """
-    )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
-    assert "MeshError: The XLA runtime is already initialised in this process" in out.stdout, (
-        out.stdout + out.stderr
-    )

@@ -1,10 +1,32 @@
 """xla-permute: CollectivePermute and collective matmul for PyTorch/XLA.
 
-The public namespace; see the API reference for each module.
+``import xla_permute as xp`` reaches every user-facing name; the implementation modules stay
+importable by their own names (``xla_permute.matmul``, ...). Importing this package never
+imports ``torch_xla`` or starts the XLA runtime.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from xla_permute.collectives import all_gather, reduce_scatter, sum_gradients
+
+# The CPU mesh: run a function on every device
 from xla_permute.launch import MeshError, RankError, run_on_mesh
+from xla_permute.layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelMLP
+
+# Collective matmul and the tensor-parallel layers on it
+from xla_permute.matmul import (
+    all_gather_matmul,
+    all_gather_then_matmul,
+    matmul_reduce_scatter,
+    matmul_then_reduce_scatter,
+)
+
+# Pairs of a CollectivePermute (pure Python)
 from xla_permute.pairs import (
+    Decomposition,
     check_groups,
     check_pairs,
     decompose,
@@ -13,13 +35,63 @@ from xla_permute.pairs import (
     is_ring,
     ring_pairs,
 )
+
+# Collectives
 from xla_permute.permute import collective_permute
-from xla_permute.pipeline import gpipe_schedule, pipeline_forward
-from xla_permute.shift import stage_shift
+from xla_permute.pipeline import Schedule, gpipe_schedule, pipeline_forward, pipeline_groups
+
+# Ring schedules of collective matmul, as data
+from xla_permute.schedule import (
+    RingStep,
+    all_gather_schedule,
+    reduce_scatter_schedule,
+    ring_steps,
+)
+
+# Pipeline stages without send/recv
+from xla_permute.shift import shift_pairs, stage_shift
+
+#: Submodules reached as attributes (imported on first use): ``xp.hardware.caveats()``, ...
+_SUBMODULES = ("reference", "hardware", "hlo", "cost", "figures")
+#: Submodules that need an optional dependency, and the extra that installs it.
+_EXTRAS = {"figures": ("matplotlib", "figures")}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _SUBMODULES:
+        raise AttributeError(f"module 'xla_permute' has no attribute {name!r}")
+    try:
+        module = importlib.import_module(f"xla_permute.{name}")
+    except ModuleNotFoundError as e:
+        need = _EXTRAS.get(name)
+        if need is None or e.name != need[0]:
+            raise
+        raise ModuleNotFoundError(
+            f"xla_permute.{name} needs {need[0]}, which is not installed: "
+            f"pip install 'xla-permute[{need[1]}]'",
+            name=need[0],
+        ) from e
+    globals()[name] = module
+    return module
+
+
+def __dir__() -> list[str]:
+    return sorted([*__all__, *_SUBMODULES])
+
 
 __all__ = [
+    "ColumnParallelLinear",
+    "Decomposition",
     "MeshError",
     "RankError",
+    "RingStep",
+    "RowParallelLinear",
+    "Schedule",
+    "SequenceParallelMLP",
+    "all_gather",
+    "all_gather_matmul",
+    "all_gather_schedule",
+    "all_gather_then_matmul",
     "check_groups",
     "check_pairs",
     "collective_permute",
@@ -28,9 +100,17 @@ __all__ = [
     "gpipe_schedule",
     "inverse_pairs",
     "is_ring",
+    "matmul_reduce_scatter",
+    "matmul_then_reduce_scatter",
     "pipeline_forward",
+    "pipeline_groups",
+    "reduce_scatter",
+    "reduce_scatter_schedule",
     "ring_pairs",
+    "ring_steps",
     "run_on_mesh",
+    "shift_pairs",
     "stage_shift",
+    "sum_gradients",
 ]
 __version__ = "0.1.0"

@@ -2,8 +2,8 @@
 
 The evidence that a collective matmul is what it claims (N-1 collective-permutes, no
 all-gather, no step's dot waiting on the permute issued in the same step) is in the program
-XLA receives. Get that text on a rank with ``torch_xla._XLAC._get_xla_tensors_hlo([tensors])``
-(traced, nothing executed) and read it with :func:`parse`.
+XLA receives. Get that text on a rank with :func:`trace` (traced, nothing executed) and read it
+with :func:`parse`.
 
 >>> text = '''
 ... ENTRY %m (p0: f32[4,8]) -> f32[4,8] {
@@ -32,8 +32,10 @@ __all__ = [
     "Instruction",
     "Program",
     "bytes_sent_per_rank",
+    "discard_traced_collectives",
     "parse",
     "shape_bytes",
+    "trace",
 ]
 
 COLLECTIVE_KINDS = (
@@ -226,3 +228,34 @@ def parse(text: str) -> Program:
             attributes=attributes,
         )
     return program
+
+
+def discard_traced_collectives() -> None:
+    """Forget the collectives traced on this rank so far (their tensors must be discarded).
+
+    torch_xla threads a token through every collective, so a program traced after another
+    would contain the first one's collectives too. This resets the token, as
+    ``xm.set_replication`` does, so that the next traced program stands alone.
+    """
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla._XLAC._set_all_reduce_token(xm._get_device_context().device, None)
+
+
+def trace(tensors: object) -> str:
+    """HLO text of the program that would compute ``tensors`` (a tensor or a list), never run.
+
+    Call it on a rank of the mesh with tensors built from XLA-device inputs; then discard
+    them (do not ``torch_xla.sync()`` with them alive). The program stands alone: the collectives
+    traced so far are forgotten afterwards (:func:`discard_traced_collectives`), so the next
+    traced program does not contain them. This is how the *native* backend's program, which
+    cannot run on the CPU mesh, is read there.
+    """
+    import torch
+    import torch_xla
+
+    outputs = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # type: ignore[call-overload]
+    text = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
+    discard_traced_collectives()
+    return text

@@ -13,16 +13,22 @@ The ranks are threads of one process: the global torch RNG and module-level stat
 between them, so a rank function should build its data from its rank or from a per-rank
 ``torch.Generator``.
 
->>> from xla_permute.launch import run_on_mesh
->>> from xla_permute.examples import world_and_rank
->>> run_on_mesh(world_and_rank, n=2)
+The rank function travels to the device process with ``cloudpickle``: a function that the child
+can import (a module's top-level function) goes by reference; one defined in a notebook cell, a
+REPL, a script's ``__main__``, a closure or a lambda goes by value, with the globals and closure
+variables it uses.
+
+>>> import xla_permute as xp
+>>> def world_and_rank():
+...     import torch_xla.runtime as xr
+...     return xr.world_size(), xr.global_ordinal()
+>>> xp.run_on_mesh(world_and_rank, n=2)
 [(2, 0), (2, 1)]
 """
 
 from __future__ import annotations
 
-import functools
-import importlib
+import io
 import os
 import pickle
 import signal
@@ -31,10 +37,12 @@ import sys
 import tempfile
 import threading
 import traceback
-from collections.abc import Callable
-from dataclasses import dataclass
+import types
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
+
+import cloudpickle
 
 __all__ = ["MeshError", "RankError", "mesh_environment", "run_on_mesh"]
 
@@ -47,6 +55,9 @@ _MISMATCH_HINT = (
     "different shapes, groups or channel ids), or XLA_THREAD_POOL_SIZE is smaller than the "
     "device count."
 )
+
+#: Variables that the mesh sets itself; ``env`` may not contradict them.
+_MESH_VARIABLES = ("PJRT_DEVICE", "CPU_NUM_DEVICES")
 
 
 class MeshError(RuntimeError):
@@ -65,12 +76,31 @@ class RankError(MeshError):
 _CHILD = "import sys; from xla_permute.launch import _child_main; _child_main(*sys.argv[1:])"
 
 
-@dataclass(frozen=True)
-class _Payload:
-    module: str
-    qualname: str
-    args: tuple[Any, ...]
-    kwargs: dict[str, Any]
+def _check_env(n: int, env: object) -> dict[str, str]:
+    if env is None:
+        return {}
+    if not isinstance(env, Mapping):
+        raise TypeError(f"env must be a dict of environment variables, got {type(env).__name__}")
+    for key, value in env.items():
+        if not isinstance(key, str) or not isinstance(value, str):
+            raise TypeError(
+                f"env[{key!r}] = {value!r}: environment names and values must be str, e.g. "
+                f"env={{{str(key)!r}: {str(value)!r}}}"
+            )
+    wanted = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(n)}
+    for key in _MESH_VARIABLES:
+        if key in env and env[key] != wanted[key]:
+            raise ValueError(
+                f"env sets {key}={env[key]!r}, but the mesh needs {key}={wanted[key]!r}; "
+                f"choose the device count with n= and leave {key} out of env"
+            )
+    pool = env.get("XLA_THREAD_POOL_SIZE")
+    if pool is not None and (not pool.strip().isdigit() or int(pool) < n):
+        raise ValueError(
+            f"env sets XLA_THREAD_POOL_SIZE={pool!r}, below the {n} devices: the collectives "
+            f"would hang and abort; leave it out (the mesh sets it to at least n)"
+        )
+    return dict(env)
 
 
 def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str]:
@@ -81,6 +111,7 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
     ('CPU', '4', True)
     """
     _check_n(n)
+    extra = _check_env(n, env)
     out = dict(os.environ)
     out.update(
         PJRT_DEVICE="CPU",
@@ -91,7 +122,7 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
     # The child must import what the caller can import (tests/, a notebook's directory).
     paths = [p or os.getcwd() for p in sys.path] + [out.get("PYTHONPATH", "")]
     out["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
-    out.update(env or {})
+    out.update(extra)
     return out
 
 
@@ -100,6 +131,14 @@ def _check_n(n: object) -> None:
         raise TypeError(f"n must be an int number of devices, got {n!r}")
     if n < 1:
         raise ValueError(f"n must be >= 1 devices, got {n}; use n=4 for the default CPU mesh")
+
+
+def _check_timeout(timeout: object) -> float:
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
+    return float(timeout)
 
 
 def _check_runtime_not_started() -> None:
@@ -112,31 +151,97 @@ def _check_runtime_not_started() -> None:
         )
 
 
-def _importable_name(fn: Callable[..., Any]) -> tuple[str, str]:
-    module = getattr(fn, "__module__", None)
-    qualname = getattr(fn, "__qualname__", None)
-    fix = (
-        "Define the function at the top level of a module file the child can import "
-        "(for example mypkg/steps.py, or a module in xla_permute.examples), import it, and "
-        "pass that."
-    )
+# --------------------------------------------------------------------------- serialisation
+
+
+class _DeviceTensor(Exception):
+    def __init__(self, device: object) -> None:
+        super().__init__(str(device))
+        self.device = device
+
+
+class _CallerPickler(cloudpickle.CloudPickler):
+    """cloudpickle that refuses tensors on a device: the device process has its own devices."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        torch = sys.modules.get("torch")
+        if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            raise _DeviceTensor(obj.device)
+        return super().reducer_override(obj)
+
+
+def _dumps(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    _CallerPickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(obj)
+    return buf.getvalue()
+
+
+def _used_names(fn: types.FunctionType) -> dict[str, Any]:
+    """The globals and closure variables ``fn``'s code refers to (nested code included)."""
+    names: set[str] = set()
+    stack = [fn.__code__]
+    while stack:
+        code = stack.pop()
+        names.update(code.co_names)
+        stack.extend(c for c in code.co_consts if isinstance(c, types.CodeType))
+    used = {k: fn.__globals__[k] for k in sorted(names) if k in fn.__globals__}
+    for name, cell in zip(fn.__code__.co_freevars, fn.__closure__ or (), strict=False):
+        try:
+            used[name] = cell.cell_contents
+        except ValueError:  # an empty cell: not yet assigned
+            continue
+    return used
+
+
+def _why_not(value: Any) -> str | None:
+    """None when ``value`` serialises, else why not."""
+    try:
+        _dumps(value)
+    except _DeviceTensor as e:
+        return (
+            f"a tensor on device {e.device}, which exists only in this process (the device "
+            f"process has its own devices): pass a CPU copy (t.cpu()) as an argument and "
+            f"move it inside the function with t.to(torch_xla.device())"
+        )
+    except Exception as e:  # noqa: BLE001 - any pickling failure is reported with its cause
+        return (
+            f"it cannot be serialised ({type(e).__name__}: {e}); create it inside the "
+            f"function, or pass what it is built from as an argument"
+        )
+    return None
+
+
+def _serialise_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> bytes:
+    """cloudpickle ``(fn, args, kwargs)``; a TypeError names what cannot travel, and the fix."""
     if not callable(fn):
         raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
-    if not module or not qualname or module == "__main__" or "<" in qualname:
-        raise TypeError(
-            f"fn {qualname or fn!r} (module {module!r}) cannot be imported by the device "
-            f"process: functions defined in __main__, a notebook cell, a lambda or a closure "
-            f"are not importable. {fix}"
-        )
+    name = getattr(fn, "__qualname__", repr(fn))
     try:
-        obj: Any = importlib.import_module(module)
-        for part in qualname.split("."):
-            obj = getattr(obj, part)
-    except (ImportError, AttributeError) as e:
-        raise TypeError(f"fn {module}.{qualname} cannot be imported ({e}). {fix}") from e
-    if obj is not fn:
-        raise TypeError(f"{module}.{qualname} names another object than fn. {fix}")
-    return module, qualname
+        return _dumps((fn, args, kwargs))
+    except Exception as error:  # noqa: BLE001 - diagnosed below, then re-raised as TypeError
+        cause = error
+    if isinstance(fn, types.FunctionType):
+        for var, value in _used_names(fn).items():
+            why = _why_not(value)
+            if why is not None:
+                raise TypeError(
+                    f"fn {name} uses {var!r} ({type(value).__name__}) from its globals or "
+                    f"closure, which cannot be sent to the device process: {why}"
+                ) from cause
+    why = _why_not(fn)
+    if why is not None:
+        raise TypeError(f"fn {name} cannot be sent to the device process: {why}") from cause
+    for where, value in [*((f"args[{i}]", a) for i, a in enumerate(args)),
+                         *((f"kwargs[{k!r}]", v) for k, v in kwargs.items())]:  # fmt: skip
+        why = _why_not(value)
+        if why is not None:
+            raise TypeError(
+                f"{where} ({type(value).__name__}) cannot be sent to the device process: {why}"
+            ) from cause
+    raise TypeError(f"the call of {name} cannot be sent to the device process: {cause}") from cause
+
+
+# --------------------------------------------------------------------------- the launch
 
 
 def run_on_mesh(
@@ -151,26 +256,39 @@ def run_on_mesh(
 
     Each rank runs in its own device thread of a fresh child process; inside ``fn``,
     ``torch_xla.device()`` is that rank's device and ``torch_xla.runtime.global_ordinal()`` its
-    rank. Returns the per-rank return values in rank order; XLA tensors in them (also inside
-    lists, tuples and dicts) come back as CPU tensors. Arguments and results must pickle.
+    rank. ``fn`` may be any function: one defined in a module goes by reference, one defined
+    in a notebook cell, a script's ``__main__``, a closure or a lambda goes by value (with
+    ``cloudpickle``), with the globals it uses. Arguments travel the same way; they and the
+    function's globals must be CPU data (tensors on the CPU, numbers, lists, ...).
+
+    Returns the per-rank return values in rank order. Tensors on an XLA device in them, in
+    any container (lists, dicts, named tuples, dataclasses, ...), come back as CPU tensors
+    (detached).
 
     Raises:
-        ValueError, TypeError: ``n`` < 1, or ``fn`` is not importable by the child.
+        TypeError: ``n``, ``timeout`` or ``env`` has the wrong type; ``fn`` is not callable;
+            ``fn``'s globals or closure, or an argument, cannot be sent (the message names
+            it, e.g. a tensor on an XLA device of this process).
+        ValueError: ``n`` < 1, ``timeout`` <= 0, or ``env`` contradicts the mesh
+            (``PJRT_DEVICE``, ``CPU_NUM_DEVICES`` other than ``n``, a thread pool below ``n``).
         MeshError: the XLA runtime is already running here; the device process died
             (a collective rendezvous abort) or ran over ``timeout`` seconds.
         RankError: a rank raised; the message names the rank and the original error,
             which is also ``__cause__``.
     """
     _check_n(n)
-    module, qualname = _importable_name(fn)
+    timeout = _check_timeout(timeout)
+    environment = mesh_environment(n, env)
+    payload = _serialise_call(fn, args, kwargs)
     _check_runtime_not_started()
+    name = getattr(fn, "__qualname__", None) or repr(fn)
     with tempfile.TemporaryDirectory(prefix="xla_permute_mesh_") as tmp:
         payload_path, result_path = Path(tmp, "payload.pkl"), Path(tmp, "result.pkl")
-        payload_path.write_bytes(pickle.dumps(_Payload(module, qualname, args, kwargs)))
+        payload_path.write_bytes(payload)
         cmd = [sys.executable, "-c", _CHILD, str(payload_path), str(result_path)]
         proc = subprocess.Popen(
             cmd,
-            env=mesh_environment(n, env),
+            env=environment,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -182,9 +300,9 @@ def run_on_mesh(
             os.killpg(proc.pid, signal.SIGKILL)
             out, err = proc.communicate()
             raise MeshError(
-                f"The {n}-device mesh running {module}.{qualname} did not finish within "
-                f"{timeout:g} s and was killed. {_MISMATCH_HINT}\n--- device process stderr "
-                f"(tail) ---\n{_tail(err)}"
+                f"The {n}-device mesh running {name} did not finish within {timeout:g} s and "
+                f"was killed. {_MISMATCH_HINT}\n--- device process stderr (tail) ---\n"
+                f"{_tail(err)}"
             ) from None
         if out:
             sys.stdout.write(out)
@@ -195,8 +313,8 @@ def run_on_mesh(
                 else f"exited with code {proc.returncode}"
             )
             raise MeshError(
-                f"The {n}-device mesh running {module}.{qualname} {how} before returning "
-                f"results. {_MISMATCH_HINT}\n--- device process stderr (tail) ---\n{_tail(err)}"
+                f"The {n}-device mesh running {name} {how} before returning results. "
+                f"{_MISMATCH_HINT}\n--- device process stderr (tail) ---\n{_tail(err)}"
             )
         status, value = pickle.loads(result_path.read_bytes())
     if status == "ok":
@@ -206,23 +324,31 @@ def run_on_mesh(
         raise RankError(
             rank, f"rank {rank} of {n} raised {type_name}: {message}\n{tb}", original
         ) from original
-    raise MeshError(f"The {n}-device mesh could not start {module}.{qualname}:\n{value}")
+    raise MeshError(f"The {n}-device mesh could not start {name}:\n{value}")
 
 
 def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:]) or "(empty)"
 
 
-def _to_cpu(value: Any) -> Any:
-    import torch
+# --------------------------------------------------------------------------- the device process
 
-    if isinstance(value, torch.Tensor):
-        return value.cpu() if value.device.type != "cpu" else value
-    if isinstance(value, (list, tuple)) and not hasattr(value, "_fields"):
-        return type(value)(_to_cpu(v) for v in value)
-    if isinstance(value, dict):
-        return {k: _to_cpu(v) for k, v in value.items()}
-    return value
+
+class _ResultPickler(pickle.Pickler):
+    """Pickles results with every tensor on a device as a detached CPU tensor."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return obj.detach().cpu().__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        return NotImplemented
+
+
+def _result_bytes(value: Any) -> bytes:
+    buf = io.BytesIO()
+    _ResultPickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(value)
+    return buf.getvalue()
 
 
 _result_path: Path | None = None  # set once in the device process, read by its rank threads
@@ -231,7 +357,20 @@ _failure_lock = threading.Lock()
 
 def _write_result(status: str, value: Any) -> None:
     assert _result_path is not None
-    _result_path.write_bytes(pickle.dumps((status, value)))
+    _result_path.write_bytes(_result_bytes((status, value)))
+
+
+def _fail(rank: int, e: BaseException) -> None:
+    """Report rank ``rank``'s failure and end the device process at once."""
+    with _failure_lock:  # the first failure wins; the other ranks may wait on it forever
+        try:
+            original = pickle.loads(pickle.dumps(e))
+        except Exception:
+            original = None
+        tb = "".join(traceback.format_exception(e))
+        _write_result("rank-error", (rank, type(e).__name__, str(e), tb, original))
+        sys.stdout.flush()
+        os._exit(1)
 
 
 def _run_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
@@ -239,17 +378,14 @@ def _run_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
 
     rank = xr.global_ordinal()
     try:
-        return _to_cpu(fn(*args, **kwargs))
+        value = fn(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001 - every rank failure is reported, with its rank
-        with _failure_lock:  # the first failure wins; the other ranks may wait on it forever
-            try:
-                original = pickle.loads(pickle.dumps(e))
-            except Exception:
-                original = None
-            tb = "".join(traceback.format_exception(e))
-            _write_result("rank-error", (rank, type(e).__name__, str(e), tb, original))
-            sys.stdout.flush()
-            os._exit(1)
+        _fail(rank, e)
+    try:  # results go home as CPU data: convert (and check) here, on the rank's own thread
+        return pickle.loads(_result_bytes(value))
+    except Exception as e:  # noqa: BLE001
+        _fail(rank, TypeError(f"the result of rank {rank} cannot be sent back: {e}; return "
+                              f"tensors, numbers, strings and containers of them"))  # fmt: skip
 
 
 def _child_main(payload_path: str, result_path: str) -> None:
@@ -257,17 +393,14 @@ def _child_main(payload_path: str, result_path: str) -> None:
     global _result_path
     _result_path = Path(result_path)
     try:
-        payload: _Payload = pickle.loads(Path(payload_path).read_bytes())
-        fn: Any = importlib.import_module(payload.module)
-        for part in payload.qualname.split("."):
-            fn = getattr(fn, part)
+        fn, args, kwargs = pickle.loads(Path(payload_path).read_bytes())
         from torch_xla._internal import pjrt
 
         # What xmp.spawn runs in each host process: one thread per device, replication set.
         results = pjrt._run_thread_per_device(
             0,
             1,
-            functools.partial(_run_rank, fn, payload.args, payload.kwargs),
+            lambda: _run_rank(fn, args, kwargs),
             initializer_fn=pjrt.initialize_multiprocess,
         )
         _write_result("ok", [results[r] for r in sorted(results)])

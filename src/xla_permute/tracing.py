@@ -12,6 +12,8 @@ from typing import Literal
 
 import torch
 
+from xla_permute.hlo import discard_traced_collectives
+
 __all__ = [
     "MATMUL_OPS",
     "discard_traced_collectives",
@@ -66,19 +68,6 @@ def matmul_program(
         return [y]
     y.sum().backward()
     return [x.grad, w.grad]
-
-
-def discard_traced_collectives() -> None:
-    """Forget the collectives traced on this rank so far (their tensors must be discarded).
-
-    torch_xla threads a token through every collective, so a program traced after another
-    would contain the first one's collectives too. This resets the token, as
-    ``xm.set_replication`` does, so that the next traced program stands alone.
-    """
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
-    torch_xla._XLAC._set_all_reduce_token(xm._get_device_context().device, None)
 
 
 def matmul_hlo(op: MatmulOp, m: int, k: int, f: int, **kwargs: object) -> str:
