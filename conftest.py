@@ -8,11 +8,16 @@ tutorial are reported as not run (skipped with that reason), never as passed.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import pytest
 
-from xla_permute.notebook import CellRunner, code_cells
+# The notebook reader lives beside the tests (tests/notebook_cells.py); the test modules import
+# their helpers from tests/ as top-level modules too.
+sys.path.insert(0, str(Path(__file__).parent / "tests"))
+
+from notebook_cells import CellRunner, code_cells  # noqa: E402
 
 TUTORIALS = Path(__file__).parent / "tutorials"
 

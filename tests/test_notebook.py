@@ -4,8 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
-
-from xla_permute.notebook import CellRunner, code_cells, excluded_cells
+from notebook_cells import CellRunner, code_cells, excluded_cells
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.md"))
@@ -71,3 +70,35 @@ def test_failing_cell_raises_and_names_itself(tmp_path):
             runner.run(cells[1].index)
     finally:
         runner.close()
+
+
+def _undefined_mesh_functions(path: Path) -> list[tuple[int, str]]:
+    """``(line, name)`` of every ``run_on_mesh(name, ...)`` whose ``def name`` is not in that
+    cell or an earlier one of the page."""
+    import ast
+
+    calls, defined = [], []
+    for cell in code_cells(path):
+        tree = ast.parse(cell.source)
+        names = set()
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Call):
+                f = node.func
+                name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", None)
+                if name == "run_on_mesh" and node.args:
+                    arg = node.args[0]
+                    shown = arg.id if isinstance(arg, ast.Name) else ast.unparse(arg)
+                    if not isinstance(arg, ast.Lambda):
+                        calls.append((cell.line + node.lineno, shown, len(defined)))
+        defined.append(names)
+    return [(line, name) for line, name, i in calls if name not in set().union(*defined[: i + 1])]
+
+
+@pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
+def test_tutorial_defines_every_function_it_runs_on_the_mesh(path):
+    """The reader sees the code each device runs: ``run_on_mesh(f, ...)`` needs ``def f`` on the
+    page, in that cell or an earlier one (a lambda is on the page too)."""
+    missing = _undefined_mesh_functions(path)
+    assert not missing, f"{path.name}: run_on_mesh of functions the page does not define: {missing}"

@@ -2,8 +2,8 @@
 
 The docs (Sphinx + myst-nb) and the test suite must execute the same cells, so both parse the
 MyST-markdown notebooks with myst-nb's own reader. :class:`CellRunner` keeps one Jupyter kernel
-per notebook and runs its code cells in order; the pytest collector in ``conftest.py`` turns each
-code cell into one test item.
+per notebook and runs its code cells in order; the pytest collector in the repository's root
+``conftest.py`` turns each code cell into one test item.
 """
 
 from __future__ import annotations
