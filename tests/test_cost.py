@@ -9,6 +9,7 @@ import pytest
 
 from xla_permute import cost
 from xla_permute.cost import CHIPS, Workload
+from xla_permute.cost.chips import _FIGURES
 
 TORUS = ["tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "trn1", "trn2"]
 
@@ -23,10 +24,10 @@ def no_latency(chip: cost.Chip) -> cost.Chip:
 @pytest.mark.parametrize("key", sorted(CHIPS))
 def test_every_figure_has_a_citation(key):
     chip = CHIPS[key]
-    for figure in cost._FIGURES:
+    for figure in _FIGURES:
         assert chip.sources[figure].strip(), figure
         assert getattr(chip, figure) >= 0
-    assert set(chip.assumptions) <= set(cost._FIGURES)
+    assert set(chip.assumptions) <= set(_FIGURES)
     for figure in chip.assumptions:
         assert "assum" in chip.sources[figure], (key, figure)
 
@@ -307,3 +308,16 @@ def test_tpu_v5e_is_the_most_consistent_chip_for_the_scaling_book_example():
         r["chip"]: max(abs(1 - r["baseline_ratio"]), abs(1 - r["collective_ratio"])) for r in rows
     }
     assert min(worst, key=worst.get) == "tpu-v5e"
+
+
+def test_the_model_is_built_from_reusable_pieces():
+    import xla_permute as xp
+
+    assert xp.cost.predict is cost.model.predict and xp.cost.CHIPS is cost.chips.CHIPS
+    chip, work = CHIPS["tpu-v5p"], Workload(m=512, k=4096, n=1024, n_devices=8)
+    assert cost.link_time(chip, 9e10) == pytest.approx(1.0)  # 90 GB/s, one link, one way
+    uni = cost.predict(chip, work, "uni")
+    assert uni.comm == pytest.approx(7 * cost.link_time(chip, work.block_bytes))
+    assert uni.math == pytest.approx(8 * cost.matmul_time(chip, 512, 4096, 1024))
+    assert cost.directions(chip) == 2 and cost.directions(chip, wraparound=False) == 1
+    assert cost.directions(CHIPS["h100"], wraparound=False) == 1  # one switch egress

@@ -1,0 +1,62 @@
+"""Roofline cost model: when does collective matmul pay, per chip?
+
+Nothing here runs on a device: it is arithmetic on published chip figures. Three parts:
+
+* :mod:`xla_permute.cost.chips`: :class:`Chip` and the :data:`CHIPS` table, every figure
+  with its citation;
+* :mod:`xla_permute.cost.model`: the formulas (:func:`matmul_time`, :func:`link_time`,
+  :func:`ring_collective_time`, :func:`predict`, :func:`speedup`, :func:`crossover`, ...), in
+  its module docstring;
+* :mod:`xla_permute.cost.validation`: the model next to published measurements.
+
+Every public name is reached from here: ``xp.cost.predict(xp.cost.CHIPS["tpu-v5p"], work)``.
+
+>>> work = Workload(m=4096, k=8192, n=4096, n_devices=4)
+>>> speedup(CHIPS["tpu-v5e"], work) > 1
+True
+"""
+
+from __future__ import annotations
+
+from xla_permute.cost.chips import CHIPS, Chip
+from xla_permute.cost.model import (
+    Prediction,
+    Workload,
+    baseline_time,
+    collective_matmul_time,
+    crossover,
+    crossover_table,
+    directions,
+    link_time,
+    matmul_time,
+    predict,
+    ring_collective_time,
+    speedup,
+)
+from xla_permute.cost.validation import (
+    ValidationRow,
+    format_validation_table,
+    scaling_book_chip_check,
+    validation_table,
+)
+
+__all__ = [
+    "CHIPS",
+    "Chip",
+    "Prediction",
+    "ValidationRow",
+    "Workload",
+    "baseline_time",
+    "collective_matmul_time",
+    "crossover",
+    "crossover_table",
+    "directions",
+    "format_validation_table",
+    "link_time",
+    "matmul_time",
+    "predict",
+    "ring_collective_time",
+    "scaling_book_chip_check",
+    "speedup",
+    "validation_table",
+]
