@@ -4,7 +4,10 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs lint bench doctor clean
+.PHONY: demo test docs docs-check lint bench doctor clean
+
+# Debian packages for the browser check (installed by docs-check when missing).
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -20,6 +23,14 @@ test: $(STAMP)
 
 docs: $(STAMP)
 	$(BIN)/sphinx-build -T -n -W --keep-going -b html docs docs/_build/html
+
+# The executed site, opened page by page in headless Chromium (tests/check_site.py).
+docs-check: docs
+	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
+	  ($(SUDO) apt-get update -qq && \
+	   DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver)
+	$(BIN)/python tests/check_site.py docs/_build/html --self-test \
+	  --screenshots docs/_build/screenshots
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests conftest.py docs/conf.py
