@@ -64,7 +64,7 @@ def __getattr__(name: str) -> Any:
         module = importlib.import_module(f"xla_permute.{name}")
     except ModuleNotFoundError as e:
         need = _EXTRAS.get(name)
-        if need is None or e.name != need[0]:
+        if need is None or (e.name or "").partition(".")[0] != need[0]:
             raise
         raise ModuleNotFoundError(
             f"xla_permute.{name} needs {need[0]}, which is not installed: "
