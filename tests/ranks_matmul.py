@@ -97,3 +97,55 @@ def collectives_roundtrip(xs: torch.Tensor, gs_gather: torch.Tensor, gs_sum: tor
     (loss + (sum_gradients(b) * (rank + 1)).sum()).backward()
     xm.mark_step()
     return {"gathered": gathered, "scattered": scattered, "dx": x.grad, "db": b.grad}
+
+
+def mlp_train_step(
+    fc1_state: dict[str, torch.Tensor],
+    fc2_state: dict[str, torch.Tensor],
+    x_full: torch.Tensor,
+    target_full: torch.Tensor,
+    variants: list[dict[str, Any]],
+    lr: float,
+) -> list[dict[str, Any]]:
+    """One SGD step of the sequence-parallel MLP per variant (``activation`` + layer kwargs).
+
+    Every rank builds its shard of the single-device MLP ``fc2(act(fc1(x)))`` from the full
+    state dicts, takes its sequence shard (dim 1) of ``x_full`` and ``target_full``, and uses
+    loss = sum of squares of its rows (the total loss is the sum over ranks). Returns, per
+    variant, the loss, the parameter gradients and the parameters after ``p -= lr * grad``.
+    """
+    import torch_xla
+    import torch_xla.runtime as xr
+    from torch import nn
+
+    import xla_permute as xp
+
+    rank, n, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
+    acts = {"relu": nn.functional.relu, "gelu": nn.functional.gelu}
+    fc1 = nn.Linear(*fc1_state["weight"].shape[::-1])
+    fc2 = nn.Linear(*fc2_state["weight"].shape[::-1])
+    fc1.load_state_dict(fc1_state)
+    fc2.load_state_dict(fc2_state)
+    x = x_full.chunk(n, dim=1)[rank].to(device)
+    target = target_full.chunk(n, dim=1)[rank].to(device)
+    outs = []
+    for variant in variants:
+        kwargs = {k: v for k, v in variant.items() if k != "activation"}
+        mlp = xp.SequenceParallelMLP.from_mlp(fc1, fc2, acts[variant["activation"]], **kwargs)
+        mlp = mlp.to(device)
+        loss = ((mlp(x) - target) ** 2).sum()
+        loss.backward()
+        grads = {name: p.grad for name, p in mlp.named_parameters()}
+        with torch.no_grad():
+            for p in mlp.parameters():
+                p -= lr * p.grad
+        outs.append({"loss": loss, "grads": grads, "params": dict(mlp.named_parameters())})
+    torch_xla.sync()
+    return [
+        {
+            "loss": o["loss"].detach(),
+            "grads": {k: v.detach() for k, v in o["grads"].items()},
+            "params": {k: v.detach() for k, v in o["params"].items()},
+        }
+        for o in outs
+    ]

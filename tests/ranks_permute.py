@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from xla_permute.tracing import discard_traced_collectives
+from xla_permute.hlo import discard_traced_collectives
 
 
 def permute_cases(cases: list[dict[str, Any]], backend: str = "auto") -> list[dict[str, Any]]:

@@ -8,10 +8,10 @@ error of 1e-6 of the largest entry (float32 has a 6e-8 unit roundoff; the sums h
 
 import pytest
 import torch
+from ranks_matmul import mlp_train_step
 from torch import nn
 
 from xla_permute import run_on_mesh
-from xla_permute.examples import mlp_train_step
 from xla_permute.layers import ColumnParallelLinear, RowParallelLinear
 
 H, F, B, S, N = 8, 16, 2, 8, 4

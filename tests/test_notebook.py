@@ -91,7 +91,7 @@ def _undefined_mesh_functions(path: Path) -> list[tuple[int, str]]:
                     arg = node.args[0]
                     shown = arg.id if isinstance(arg, ast.Name) else ast.unparse(arg)
                     if not isinstance(arg, ast.Lambda):
-                        calls.append((cell.line + node.lineno, shown, len(defined)))
+                        calls.append((cell.line + node.lineno - 1, shown, len(defined)))
         defined.append(names)
     return [(line, name) for line, name, i in calls if name not in set().union(*defined[: i + 1])]
 

@@ -5,10 +5,10 @@ no all-gather or all-reduce, N dots, and every permute has a dot that does not w
 """
 
 import pytest
+from programs import matmul_hlos
 
 from xla_permute import hlo, run_on_mesh
 from xla_permute.pairs import ring_pairs
-from xla_permute.tracing import matmul_hlos
 
 N = 4
 SPECS = [

@@ -1,0 +1,1 @@
+"""Command-line tools on top of the library: the self-test table, doctor and bench."""
