@@ -1,5 +1,8 @@
 """xla_permute.hardware without a mesh: caveats, pair checks, detection, the TPU recipe, dumps.
 
+Bad arguments of each public function are parametrised tables (``_BAD_*``): each names the
+argument the error message must name.
+
 The mesh evidence behind the caveats (HLO of pinned and unpinned collectives, the flag read at
 the first compile, XLA dumps) runs in tutorials/04_hardware_caveats.md.
 """
@@ -11,7 +14,14 @@ import pytest
 import torch
 
 from xla_permute import hardware
-from xla_permute.hardware import HardwareWarning, caveats, check_pairs, requires_complete_rings
+from xla_permute.hardware import (
+    HardwareWarning,
+    caveats,
+    check_device_pairs,
+    requires_complete_rings,
+)
+from xla_permute.hardware import environment as hw_environment
+from xla_permute.hardware import tpu as hw_tpu
 
 # ------------------------------------------------------------------------------------ caveats
 
@@ -67,17 +77,52 @@ def test_collective_matmul_caveat_names_the_collective_arguments():
 
 
 def test_caveat_device_type_names():
-    assert caveats("neuron") == caveats("NEURON") == caveats("NEURON_0")
+    assert caveats("neuron") == caveats("NEURON") == caveats(" NEURON_0")
     assert not [c for c in caveats("TPU") if c.id.startswith(("neuron", "cpu", "gpu"))]
     assert caveats("GPU") == caveats("CUDA")
-    for bad in (3, ""):
-        with pytest.raises(TypeError, match="device_type must be"):
-            caveats(bad)
+    named = {t for c in caveats() for t in c.applies_to} - {"*"}
+    assert set(hardware.DEVICE_TYPES) == named  # every known type has caveats, and only those
+
+
+_BAD_DEVICE_TYPES = [
+    (3, TypeError, "device_type must be"),
+    (None, TypeError, "device_type must be"),
+    ("", ValueError, "blank string"),
+    ("  ", ValueError, "blank string"),
+    ("NUERON", ValueError, r"'NUERON' is not a device type .* CPU, TPU, NEURON, CUDA, GPU"),
+    ("XPU", ValueError, "'XPU' is not a device type"),
+]
+
+
+@pytest.mark.parametrize("bad, error, match", _BAD_DEVICE_TYPES)
+def test_caveats_reject_unknown_device_types(bad, error, match):
+    if bad is None:  # caveats(None) means all of them; the rules need a name
+        with pytest.raises(error, match=match):
+            requires_complete_rings(bad)
+        return
+    with pytest.raises(error, match=match):
+        caveats(bad)
+
+
+@pytest.mark.parametrize("bad, error, match", [b for b in _BAD_DEVICE_TYPES if b[0] is not None])
+def test_cli_rejects_bad_device_types_with_status_2(bad, error, match, capsys):
+    from xla_permute.__main__ import main
+
+    with pytest.raises(SystemExit) as e:
+        main(["doctor", "--device-type", str(bad), "--no-self-test"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("python -m xla_permute doctor: error: argument --device-type:")
+    assert "Traceback" not in "".join(err)
 
 
 def test_requires_complete_rings():
     assert requires_complete_rings("NEURON") and requires_complete_rings("neuron")
     assert not requires_complete_rings("TPU") and not requires_complete_rings("CPU")
+    assert not requires_complete_rings("MYPLUGIN")  # a PJRT plugin without rules here
+    for bad, error in ((" ", ValueError), (3, TypeError)):
+        with pytest.raises(error, match="device_type must"):
+            requires_complete_rings(bad)
 
 
 # -------------------------------------------------------------------------------- pair checks
@@ -86,7 +131,7 @@ def test_requires_complete_rings():
 def _no_warnings(*args, **kwargs):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        check_pairs(*args, **kwargs)
+        check_device_pairs(*args, **kwargs)
 
 
 def test_rings_are_fine_on_neuron():
@@ -98,19 +143,19 @@ def test_rings_are_fine_on_neuron():
 
 def test_open_chain_is_refused_on_neuron_with_the_fix():
     with pytest.raises(ValueError, match=r"open chain 0 -> 1 -> 2 -> 3") as e:
-        check_pairs("NEURON", [(0, 1), (1, 2), (2, 3)], 4)
+        check_device_pairs("NEURON", [(0, 1), (1, 2), (2, 3)], 4)
     assert "add pair (3, 0) and discard the value rank 0" in str(e.value)
     with pytest.raises(ValueError) as e:
-        check_pairs("NEURON", [(0, 1), (2, 3)], 4)
+        check_device_pairs("NEURON", [(0, 1), (2, 3)], 4)
     assert "add pair (1, 0)" in str(e.value) and "add pair (3, 2)" in str(e.value)
 
 
 def test_idle_ranks_and_64_bit_warn_on_neuron():
     with pytest.warns(HardwareWarning, match=r"ranks \[2, 3\] are in no pair"):
-        check_pairs("NEURON", [(0, 1), (1, 0)], 4)
+        check_device_pairs("NEURON", [(0, 1), (1, 0)], 4)
     for dtype in (torch.int64, torch.float64, "int64"):
         with pytest.warns(HardwareWarning, match="64-bit"):
-            check_pairs("NEURON", [(0, 1), (1, 0)], 2, dtype=dtype)
+            check_device_pairs("NEURON", [(0, 1), (1, 0)], 2, dtype=dtype)
     assert issubclass(HardwareWarning, UserWarning)
 
 
@@ -119,12 +164,36 @@ def test_other_backends_run_any_partial_permutation(device_type):
     _no_warnings(device_type, [(0, 1), (1, 2)], 4, dtype=torch.int64)
 
 
+_BAD_WORLD_SIZES = [
+    ("4", TypeError, "world_size must be an int >= 1"),
+    (4.0, TypeError, "world_size must be an int >= 1"),
+    (None, TypeError, "world_size must be an int >= 1"),
+    (True, TypeError, "world_size must be an int >= 1"),
+    (0, ValueError, "world_size must be an int >= 1 .*got 0"),
+    (-2, ValueError, "world_size must be an int >= 1 .*got -2"),
+]
+
+
+@pytest.mark.parametrize("device_type", ["CPU", "NEURON"])
+@pytest.mark.parametrize("bad, error, match", _BAD_WORLD_SIZES)
+def test_check_device_pairs_rejects_bad_world_sizes(device_type, bad, error, match):
+    for pairs in ([(0, 1), (1, 0)], []):  # checked even when no collective would be issued
+        with pytest.raises(error, match=match):
+            check_device_pairs(device_type, pairs, bad)
+
+
+def test_check_device_pairs_takes_numpy_world_sizes():
+    np = pytest.importorskip("numpy")
+    with pytest.raises(ValueError, match="open chain"):
+        check_device_pairs("NEURON", [(0, 1)], np.int64(2))
+
+
 @pytest.mark.parametrize("device_type", ["CPU", "TPU", "NEURON"])
 def test_invalid_pairs_raise_everywhere(device_type):
     with pytest.raises(ValueError, match="duplicate target 1"):
-        check_pairs(device_type, [(0, 1), (2, 1)], 4)
+        check_device_pairs(device_type, [(0, 1), (2, 1)], 4)
     with pytest.raises(ValueError, match="outside the group of 2"):
-        check_pairs(device_type, [(0, 2)], 2)
+        check_device_pairs(device_type, [(0, 2)], 2)
 
 
 class _FakeXlaTensor(torch.Tensor):
@@ -153,7 +222,7 @@ def test_collective_permute_consults_the_hardware_rules(monkeypatch):
 
 
 def _clean_env(monkeypatch, **values):
-    for key in hardware._VARIABLES:
+    for key in hw_environment._VARIABLES:
         monkeypatch.delenv(key, raising=False)
     for key, value in values.items():
         monkeypatch.setenv(key, value)
@@ -183,6 +252,8 @@ def test_detect_tpu_generation_and_neuron_cores(monkeypatch):
     _clean_env(monkeypatch, PJRT_DEVICE="NEURON", NEURON_RT_VISIBLE_CORES="0-3,8")
     env = hardware.detect()
     assert (env.device_type, env.device_count, env.tpu_generation) == ("NEURON", 5, None)
+    _clean_env(monkeypatch, PJRT_DEVICE=" ")  # blank: reported, not raised
+    assert hardware.detect().device_type == "UNKNOWN"
 
 
 def test_collective_signatures_of_the_installed_torch_xla():
@@ -213,8 +284,30 @@ def test_tpu_setup_as_data():
     for bad in (0, -1, True, "1"):
         with pytest.raises(ValueError, match="channel_id must be a positive int"):
             setup.kwargs(bad, [[0, 1]])
-    with pytest.raises(ValueError, match="windowed_einsum_threshold_mib"):
-        hardware.tpu_collective_matmul_setup(windowed_einsum_threshold_mib=-1)
+    assert "XLA_FLAGS" not in hardware.tpu_collective_matmul_setup().env
+    from pathlib import Path
+
+    assert hardware.tpu_collective_matmul_setup(dump_dir=Path("/tmp/d")).dump_dir == "/tmp/d"
+
+
+_BAD_TPU_SETUPS = [
+    ({"windowed_einsum_threshold_mib": "8"}, TypeError, "windowed_einsum_threshold_mib must"),
+    ({"windowed_einsum_threshold_mib": 8.0}, TypeError, "windowed_einsum_threshold_mib must"),
+    ({"windowed_einsum_threshold_mib": True}, TypeError, "windowed_einsum_threshold_mib must"),
+    ({"windowed_einsum_threshold_mib": -1}, ValueError, "windowed_einsum_threshold_mib must"),
+    ({"dump_dir": 3}, TypeError, "dump_dir must be a directory path"),
+    ({"dump_dir": b"/tmp/d"}, TypeError, "dump_dir must be a directory path"),
+    ({"dump_dir": ""}, ValueError, "dump_dir must be a non-empty"),
+    ({"dump_dir": "/tmp/my dumps"}, ValueError, "dump_dir .* contains whitespace"),
+    ({"overlap": 1}, TypeError, "overlap must be True or False"),
+    ({"overlap": "yes"}, TypeError, "overlap must be True or False"),
+]
+
+
+@pytest.mark.parametrize("kwargs, error, match", _BAD_TPU_SETUPS)
+def test_tpu_setup_rejects_bad_arguments(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        hardware.tpu_collective_matmul_setup(**kwargs)
 
 
 def test_tpu_setup_apply_merges_flags_and_problems_reports():
@@ -227,7 +320,7 @@ def test_tpu_setup_apply_merges_flags_and_problems_reports():
     setup.apply(environ)
     flags = environ["LIBTPU_INIT_ARGS"].split()
     assert flags[:2] == ["--xla_enable_async_collective_permute=false", "--xla_other=1"]
-    assert len(flags) == 2 + len(hardware._OVERLAP_FLAGS) - 1  # the user's own value kept
+    assert len(flags) == 2 + len(hw_tpu._OVERLAP_FLAGS) - 1  # the user's own value kept
     assert environ["ENABLE_COLLECTIVE_MATMUL_IN_MP"] == "1"
     problems = setup.problems(environ)
     assert problems == ["LIBTPU_INIT_ARGS lacks --xla_enable_async_collective_permute=true"]
@@ -235,7 +328,7 @@ def test_tpu_setup_apply_merges_flags_and_problems_reports():
 
 
 def test_tpu_setup_refuses_after_the_first_compile(monkeypatch):
-    monkeypatch.setattr(hardware, "_compiled_in_this_process", lambda: True)
+    monkeypatch.setattr(hw_tpu, "_compiled_in_this_process", lambda: True)
     setup = hardware.tpu_collective_matmul_setup()
     with pytest.raises(RuntimeError, match="before the first compile"):
         setup.apply()
@@ -278,3 +371,45 @@ def test_read_dump_tells_rewritten_from_not(tmp_path):
     assert rewritten.after["collective-permute"] == 1 and rewritten.after["while"] == 1
     assert rewritten.decomposed == ("decomposed_all_gather_while",)
     assert kept.after["all-gather"] == kept.before["all-gather"] == 1 and kept.after["dot"] == 1
+
+
+@pytest.mark.parametrize(
+    "bad, error, match",
+    [
+        (3, TypeError, "dump_dir must be a directory path"),
+        ("/nonexistent/xla", FileNotFoundError, "is not a directory"),
+    ],
+)
+def test_read_dump_rejects_what_is_not_a_directory(bad, error, match, tmp_path):
+    with pytest.raises(error, match=match):
+        hardware.read_dump(bad)
+    assert hardware.read_dump(tmp_path) == []  # an empty dump: no module compiled yet
+
+
+# ------------------------------------------------------------------------------------ layering
+
+
+def _package_imports(module) -> set[str]:
+    """The ``xla_permute`` modules a module imports anywhere (top level or in a function)."""
+    import ast
+    import inspect
+
+    found = set()
+    for node in ast.walk(ast.parse(inspect.getsource(module))):
+        if isinstance(node, ast.ImportFrom) and node.module == "xla_permute":
+            found.update(f"xla_permute.{a.name}" for a in node.names)  # from xla_permute import x
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+        elif isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+    return {m for m in found if m.startswith("xla_permute")}
+
+
+def test_the_rules_sit_below_the_ops():
+    """rules needs pairs only (the ops import it); no hardware module imports an op."""
+    from xla_permute.hardware import catalog, environment, rules, tpu
+
+    assert _package_imports(rules) == {"xla_permute.pairs"}
+    own = {f"xla_permute.hardware.{m}" for m in ("catalog", "environment", "rules", "tpu")}
+    for module in (catalog, environment, tpu, hardware):
+        assert _package_imports(module) <= own | {"xla_permute.hlo"}, module.__name__

@@ -129,7 +129,7 @@ def collective_permute(
             group-local and apply in every group. ``None``: one group of all ranks.
         backend: ``"native"``, ``"emulated"`` or ``"auto"`` (see the module docstring). The
             native backend also applies the hardware's rules to the pairs, which may raise or
-            warn (:func:`xla_permute.hardware.check_pairs`: open chains on Neuron).
+            warn (:func:`xla_permute.hardware.check_device_pairs`: open chains on Neuron).
 
     Returns:
         ``y`` with ``y = x_s`` on rank ``t`` for each pair ``(s, t)``, zeros on ranks that are
@@ -147,7 +147,7 @@ def collective_permute(
 
     checked = global_pairs(pairs, groups, xr.world_size())
     if chosen == "native":  # the hardware's rules (xla_permute.hardware); emulated runs anything
-        from xla_permute.hardware import check_pairs as check_for_hardware
+        from xla_permute.hardware.rules import check_device_pairs
 
-        check_for_hardware(xr.device_type(), checked, xr.world_size(), dtype=x.dtype)
+        check_device_pairs(xr.device_type(), checked, xr.world_size(), dtype=x.dtype)
     return _CollectivePermute.apply(x, checked, chosen)

@@ -1,0 +1,145 @@
+"""The hardware rules the ops apply: which permutes a device type runs as XLA's semantics say.
+
+This is the part of :mod:`xla_permute.hardware` that the ops import
+(:func:`~xla_permute.permute.collective_permute` calls :func:`check_device_pairs` on its native
+backend; :func:`~xla_permute.shift.stage_shift` asks :func:`requires_complete_rings`). It
+depends on :mod:`xla_permute.pairs` only and never imports ``torch_xla``.
+
+Which checks raise and which warn:
+
+* :class:`ValueError` (the permute cannot run, the message has the fix): on Neuron, pairs that
+  do not form complete rings (an open chain such as a pipeline's ``0 -> 1 -> 2``).
+* :class:`HardwareWarning` (it runs, but may not mean what XLA says): on Neuron, ranks that
+  are in no pair (XLA gives them zeros; Neuron leaves them inactive) and 64-bit dtypes.
+
+A device type without rules here (CPU, TPU, or a PJRT plugin this package does not know) runs
+any partial permutation. The caveats behind each rule are in :func:`xla_permute.hardware.caveats`.
+
+>>> requires_complete_rings("NEURON"), requires_complete_rings("TPU")
+(True, False)
+>>> check_device_pairs("TPU", [(0, 1), (1, 2)], 4)      # an open chain: fine on TPU
+>>> check_device_pairs("NEURON", [(0, 1), (1, 0), (2, 3), (3, 2)], 4)   # two rings: fine
+"""
+
+from __future__ import annotations
+
+import operator
+import warnings
+from typing import Any
+
+from xla_permute import pairs as _pairs
+
+__all__ = ["HardwareWarning", "check_device_pairs", "device_type_name", "requires_complete_rings"]
+
+
+class HardwareWarning(UserWarning):
+    """A collective that runs on this backend but may not do what XLA's semantics say."""
+
+
+def device_type_name(device_type: object) -> str:
+    """The canonical name of a device type: ``"neuron"``, ``"NEURON_0"`` -> ``"NEURON"``.
+
+    Raises:
+        TypeError: ``device_type`` is not a string.
+        ValueError: it is blank.
+    """
+    if not isinstance(device_type, str):
+        raise TypeError(
+            f"device_type must be a device type name such as 'CPU', 'TPU' or 'NEURON' "
+            f"(torch_xla.runtime.device_type()), got {device_type!r}"
+        )
+    name = device_type.strip().split("_")[0].upper()
+    if not name:
+        raise ValueError(
+            f"device_type must name a device type such as 'CPU', 'TPU' or 'NEURON' "
+            f"(torch_xla.runtime.device_type()), got the blank string {device_type!r}"
+        )
+    return name
+
+
+def requires_complete_rings(device_type: str) -> bool:
+    """True when ``device_type`` runs only permutes whose pairs form closed rings (Neuron).
+
+    >>> requires_complete_rings("neuron"), requires_complete_rings("CPU")
+    (True, False)
+    """
+    return device_type_name(device_type) == "NEURON"
+
+
+def _world_size(world_size: object) -> int:
+    if isinstance(world_size, bool):
+        raise TypeError(f"world_size must be an int >= 1 (the number of ranks), got {world_size!r}")
+    try:
+        n = operator.index(world_size)  # int, numpy integers
+    except TypeError:
+        raise TypeError(
+            f"world_size must be an int >= 1 (the number of ranks), got {world_size!r} of type "
+            f"{type(world_size).__name__}"
+        ) from None
+    if n < 1:
+        raise ValueError(f"world_size must be an int >= 1 (the number of ranks), got {n}")
+    return n
+
+
+_64_BIT = ("int64", "uint64", "float64", "complex128")
+
+
+def check_device_pairs(
+    device_type: str, pairs: _pairs.PairsLike, world_size: int, *, dtype: Any = None
+) -> None:
+    """Refuse or warn about a permute that ``device_type`` cannot run as XLA's semantics say.
+
+    ``pairs`` are global ``(source, target)`` rank pairs over ``world_size`` ranks (first
+    checked with :func:`xla_permute.pairs.check_pairs`); ``dtype`` is the tensor's dtype, if
+    known. Empty pairs issue no collective and are always fine.
+
+    Raises:
+        TypeError, ValueError: a bad ``device_type`` or ``world_size`` (not an int >= 1), or
+            invalid pairs (see :func:`xla_permute.pairs.check_pairs`).
+        ValueError: on Neuron, pairs with an open chain; the message names the pair that
+            closes each chain into a ring.
+
+    Warns:
+        HardwareWarning: on Neuron, ranks in no pair (not guaranteed zeros there) and 64-bit
+        dtypes.
+
+    >>> check_device_pairs("NEURON", [(0, 1), (1, 2)], 4)
+    Traceback (most recent call last):
+    ...
+    ValueError: pairs [(0, 1), (1, 2)] form an open chain 0 -> 1 -> 2: NEURON runs only ...
+    """
+    dt = device_type_name(device_type)
+    n = _world_size(world_size)
+    checked = _pairs.check_pairs(pairs, n)
+    if not checked or dt != "NEURON":
+        return
+    chains = _pairs.decompose(checked).chains
+    if chains:
+        fixes = "; ".join(
+            f"add pair ({c[-1]}, {c[0]}) and discard the value rank {c[0]} then receives"
+            for c in chains
+        )
+        paths = ", ".join(" -> ".join(map(str, c)) for c in chains)
+        raise ValueError(
+            f"pairs {list(checked)} form an open chain {paths}: {dt} runs only permutes whose "
+            f"pairs form complete rings. Close each chain into a ring: {fixes} (instead of "
+            f"zeros)."
+        )
+    covered = {r for p in checked for r in p}
+    idle = [r for r in range(n) if r not in covered]
+    if idle:
+        warnings.warn(
+            f"ranks {idle} are in no pair of {list(checked)}: XLA gives them zeros, but on "
+            f"{dt} ranks outside the pairs stay inactive and their result is not guaranteed "
+            f"to be zeros; zero it yourself on those ranks if you use it",
+            HardwareWarning,
+            stacklevel=2,
+        )
+    name = str(dtype).removeprefix("torch.") if dtype is not None else ""
+    if name in _64_BIT:
+        warnings.warn(
+            f"dtype {name} is 64-bit: {dt} collectives do not support 64-bit element types; "
+            f"cast first, e.g. x.to(torch.{'int32' if 'int' in name else 'float32'})",
+            HardwareWarning,
+            stacklevel=2,
+        )
