@@ -1,0 +1,72 @@
+"""``python -m xla_permute bench``: its options, and running it from them.
+
+>>> import argparse
+>>> parser = argparse.ArgumentParser()
+>>> add_arguments(parser)
+>>> config_from_args(parser.parse_args(["--preset", "tiny", "-n", "2"])).n
+2
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import asdict, replace
+from pathlib import Path
+
+from xla_permute.tools.bench.programs import PRESETS, BenchConfig
+from xla_permute.tools.bench.report import format_report
+from xla_permute.tools.bench.run import print_progress, run_bench
+
+__all__ = ["add_arguments", "config_from_args", "run_from_args"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``python -m xla_permute bench`` (each overrides the preset)."""
+    d = PRESETS["default"]
+    parser.add_argument(
+        "--preset", choices=sorted(PRESETS), default="default",
+        help="sizes and repeats to start from ('tiny' is the smoke test)",
+    )  # fmt: skip
+    parser.add_argument("-m", type=int, help=f"rows of this rank's x block (default {d.m})")
+    parser.add_argument("-k", type=int, help=f"contracted dimension (default {d.k})")
+    parser.add_argument("-f", type=int, help=f"columns of w (default {d.f})")
+    parser.add_argument("-n", type=int, help=f"CPU devices of the main mesh (default {d.n})")
+    parser.add_argument(
+        "--scaling-n", type=int,
+        help=f"CPU devices of the trace+compile mesh; 0 skips it (default {d.scaling_n})",
+    )  # fmt: skip
+    parser.add_argument("--repeats", type=int, help=f"timed runs (default {d.repeats})")
+    parser.add_argument("--warmup", type=int, help=f"discarded runs/rounds (default {d.warmup})")
+    parser.add_argument(
+        "--compile-repeats", type=int,
+        help=f"timed trace+compile rounds (default {d.compile_repeats})",
+    )  # fmt: skip
+    parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+
+
+def config_from_args(args: argparse.Namespace) -> BenchConfig:
+    """The preset, with every option that was given replacing its value."""
+    overrides = {
+        name: getattr(args, name)
+        for name in ("m", "k", "f", "n", "scaling_n", "repeats", "warmup", "compile_repeats")
+        if getattr(args, name, None) is not None
+    }
+    return replace(PRESETS[args.preset], **overrides)
+
+
+def run_from_args(args: argparse.Namespace) -> int:
+    """Run the benchmark, print the report, write ``--json``; exit 1 if a check failed."""
+    try:
+        config = config_from_args(args)
+    except ValueError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    print_progress(f"config {asdict(config)}")
+    result = run_bench(config)
+    print(format_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        print_progress(f"wrote {args.json}")
+    return 0 if all(c["ok"] for c in result["checks"]) else 1

@@ -1,0 +1,195 @@
+"""The bench's result as Markdown, and what it derives from the figures: ratios and checks.
+
+:func:`ratios` divides every program's figures by its op's baseline's; :func:`checks` lists the
+facts that must hold (bytes sent equal to the baseline's, emulated results equal to the
+baseline's); :func:`format_report` prints everything, each column labelled with its backend.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from xla_permute.tools.bench.measure import TOKEN_ENV, TOKEN_VARIANTS
+from xla_permute.tools.bench.programs import BASELINES, X_MODES
+
+__all__ = ["checks", "format_report", "ratios"]
+
+
+def _by_name(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    return {r["name"]: r for r in rows}
+
+
+def ratios(rows: list[dict[str, Any]], scaling: list[dict[str, Any]]) -> dict[str, Any]:
+    """Each non-baseline program's figures divided by its op's baseline's."""
+    out: dict[str, Any] = {"n": {}, "scaling_n": {}}
+    for table, key in ((rows, "n"), (scaling, "scaling_n")):
+        named = _by_name(table)
+        for r in table:
+            if r["method"] == "baseline":
+                continue
+            base = named[f"{r['op']}/baseline"]
+            figures = {
+                "trace_plus_compile": (r["trace_s"] + r["compile_s"])
+                / (base["trace_s"] + base["compile_s"]),
+            }
+            if key == "n":
+                figures["run"] = r["run_s"] / base["run_s"]
+                figures["bytes"] = r["bytes"]["total"] / base["bytes"]["total"]
+                figures["peak"] = {
+                    v: {m: r["peak_bytes"][v][m] / base["peak_bytes"][v][m] for m in X_MODES}
+                    for v in TOKEN_VARIANTS
+                }
+            out[key][r["name"]] = figures
+    return out
+
+
+def checks(rows: list[dict[str, Any]], scaling: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Facts that must hold (``ok``); a failure makes the command exit 1."""
+    out = []
+    named = _by_name(rows)
+    for op in BASELINES:
+        base = named.get(f"{op}/baseline")
+        for method in ("uni", "bi"):
+            r = named.get(f"{op}/{method}")
+            if r is None or base is None:
+                continue
+            sent, base_sent = r["bytes"]["total"], base["bytes"]["total"]
+            detail = f"{sent} B vs baseline {base_sent} B"
+            ok = sent == base_sent
+            if op == "all_gather_matmul":
+                n, gathered = r["n"], base["bytes"]["gathered_bytes"]
+                expected = (n - 1) * gathered // n
+                ok = ok and sent == expected
+                detail += f"; (N-1)/N of the gathered operand ({gathered} B) = {expected} B"
+            out.append(
+                {"check": f"{r['name']}: bytes sent per rank = baseline's", "ok": ok,
+                 "detail": detail}
+            )  # fmt: skip
+            out.append(
+                {"check": f"{r['name']}: emulated result = baseline's (exact)",
+                 "ok": bool(r["same_as_baseline"]), "detail": "integer-valued float32 inputs"}
+            )  # fmt: skip
+    sc = _by_name(scaling)
+    for op in BASELINES:
+        for method in ("uni", "bi"):
+            r, base = sc.get(f"{op}/{method}"), sc.get(f"{op}/baseline")
+            if r is None or base is None:
+                continue
+            out.append({
+                "check": f"{r['name']} at N={r['n']}: bytes sent per rank = baseline's",
+                "ok": r["bytes_total"] == base["bytes_total"],
+                "detail": f"{r['bytes_total']} B vs baseline {base['bytes_total']} B",
+            })  # fmt: skip
+    return out
+
+
+def _fmt_bytes(value: float) -> str:
+    """``1.5 MiB``, ``96 B``: binary units, three significant digits.
+
+    >>> _fmt_bytes(96), _fmt_bytes(3 * 2**20), _fmt_bytes(1536)
+    ('96 B', '3 MiB', '1.5 KiB')
+    """
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if value >= size:
+            return f"{value / size:.3g} {unit}"
+    return f"{value:.0f} B"
+
+
+def _fmt_ratio(value: float | None) -> str:
+    return "1 (baseline)" if value is None else f"{value:.2f}x"
+
+
+def format_report(result: dict[str, Any]) -> str:
+    """The results as Markdown tables, every column labelled with its backend."""
+    cfg, against = result["config"], result["ratios"]
+    n = cfg["n"]
+    lines = [
+        f"Per rank: all_gather_matmul x [{cfg['m']}, {cfg['k']}], matmul_reduce_scatter x "
+        f"[N*{cfg['m']}, {cfg['k']}], w [{cfg['k']}, {cfg['f']}], float32. CPU mesh, "
+        f"torch_xla {result['environment']['torch_xla']}, {result['environment']['cpu_count']} "
+        "cores.",
+        "",
+        f"Time, N={n} (trace, compile: native program on rank 0, median of "
+        f"{cfg['compile_repeats']}; run: EMULATED backend, slowest rank, median of "
+        f"{cfg['repeats']}):",
+        "",
+        "| program | trace ms (native) | compile ms (native) | fusions (native) "
+        "| trace+compile vs baseline | run ms (emulated) | run vs baseline |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in result["programs"]:
+        rr = against["n"].get(r["name"], {})
+        lines.append(
+            f"| {r['name']} | {r['trace_s'] * 1e3:.1f} | {r['compile_s'] * 1e3:.1f} | "
+            f"{r['fusions']} | {_fmt_ratio(rr.get('trace_plus_compile'))} | "
+            f"{r['run_s'] * 1e3:.1f} | {_fmt_ratio(rr.get('run'))} |"
+        )
+    if result["scaling"]:
+        lines += [
+            "",
+            f"Trace and compile at N={cfg['scaling_n']} (native program on rank 0, median of "
+            f"{cfg['compile_repeats']}):",
+            "",
+            "| program | trace ms (native) | compile ms (native) | trace+compile vs baseline |",
+            "|---|---|---|---|",
+        ]
+        for r in result["scaling"]:
+            rr = against["scaling_n"].get(r["name"], {})
+            lines.append(
+                f"| {r['name']} | {r['trace_s'] * 1e3:.1f} | {r['compile_s'] * 1e3:.1f} | "
+                f"{_fmt_ratio(rr.get('trace_plus_compile'))} |"
+            )
+    lines += [
+        "",
+        f"Peak memory per device, N={n} (native program, XLA:CPU buffer assignment, 'Total "
+        f"bytes used', largest over the ranks; x an input or computed in the program; with "
+        f"torch_xla's collective token and with {TOKEN_ENV}=1):",
+        "",
+        "| program | x input | vs baseline | x computed | vs baseline "
+        "| x input, no token | vs baseline | x computed, no token | vs baseline |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in result["programs"]:
+        peak = against["n"].get(r["name"], {}).get("peak")
+        cells = []
+        for v in TOKEN_VARIANTS:
+            for mode in X_MODES:
+                cells.append(_fmt_bytes(r["peak_bytes"][v][mode]))
+                cells.append(_fmt_ratio(peak[v][mode] if peak else None))
+        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    lines += [
+        "",
+        f"Bytes each rank sends, N={n} (native HLO; ring algorithms assumed for the baselines' "
+        "all-gather and reduce-scatter):",
+        "",
+        "| program | per step | in total | vs baseline |",
+        "|---|---|---|---|",
+    ]
+    for r in result["programs"]:
+        rr = against["n"].get(r["name"], {})
+        steps = ", ".join(_fmt_bytes(b) for b in r["bytes"]["per_step"])
+        lines.append(
+            f"| {r['name']} | {steps} | {_fmt_bytes(r['bytes']['total'])} | "
+            f"{_fmt_ratio(rr.get('bytes'))} |"
+        )
+    lines += ["", "Order of the permutes in the native HLO:", ""]
+    for r in result["programs"]:
+        for v, label in (("token", "with the token"), ("no_token", f"{TOKEN_ENV}=1")):
+            c = r["chain"][v]
+            if not c["permutes"]:
+                continue
+            text = (
+                f"- {r['name']}, {label}: {c['chained']} of {c['permutes'] - 1} consecutive "
+                "permutes depend on the previous one"
+            )
+            if c["same_step"]:
+                text += (
+                    f"; {c['same_step_chained']} of {c['same_step']} two-direction steps serialised"
+                )
+            lines.append(text)
+    lines += ["", "Checks:", ""]
+    for c in result["checks"]:
+        lines.append(f"- [{'ok' if c['ok'] else 'FAILED'}] {c['check']} ({c['detail']})")
+    lines += ["", f"Total {result['seconds']:.0f} s."]
+    return "\n".join(lines)

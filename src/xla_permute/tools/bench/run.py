@@ -1,0 +1,181 @@
+"""The host side of the bench: launch the meshes, collect the figures into one result.
+
+:func:`run_bench` starts the launches described in :mod:`xla_permute.tools.bench` and returns
+plain data (JSON-ready); byte and permute-chain figures are read from the traced native HLO
+with :func:`xla_permute.hlo.account_bytes` and :func:`xla_permute.hlo.chain_report`.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict
+from typing import Any
+
+from xla_permute import hlo
+from xla_permute.tools.bench.measure import TOKEN_ENV, TOKEN_VARIANTS, bench_rank, memory_rank
+from xla_permute.tools.bench.programs import PRESETS, PROGRAMS, X_MODES, BenchConfig, BenchProgram
+from xla_permute.tools.bench.report import checks, ratios
+
+__all__ = ["BACKENDS", "print_progress", "run_bench"]
+
+#: Which backend produced each figure of a result (also printed by the report).
+BACKENDS = {
+    "trace_s": "native (traced on rank 0, not executed)",
+    "compile_s": "native (XLA:CPU compile via _xla_warm_up_cache, not executed)",
+    "fusions": "native (fusion ops of the XLA:CPU-optimised module)",
+    "peak_bytes": "native (XLA:CPU buffer assignment, memory-usage-report)",
+    "bytes": "native (traced HLO, ring algorithms assumed for all-gather/reduce-scatter)",
+    "chain": "native (traced HLO)",
+    "run_s": "emulated (CPU mesh; each permute is a channel-id all-gather)",
+}
+
+
+def _median(values: Sequence[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def print_progress(message: str, stream: Any = None) -> None:
+    """Print one ``[bench]`` progress line (default: stderr)."""
+    print(f"[bench] {message}", file=stream or sys.stderr, flush=True)
+
+
+def _environment() -> dict[str, Any]:
+    from importlib.metadata import version
+
+    return {
+        "torch": version("torch"),
+        "torch_xla": version("torch_xla"),
+        "python": platform.python_version(),
+        "cpu_count": os.cpu_count(),
+        "machine": platform.machine(),
+    }
+
+
+def account(program: BenchProgram, text: str, n: int) -> hlo.ByteAccount:
+    """Bytes each rank sends in ``program`` on ``n`` ranks, from its traced native HLO."""
+    return hlo.account_bytes(text, n, program.schedule(n), name=program.name)
+
+
+def chain(program: BenchProgram, text: str, n: int) -> dict[str, int]:
+    """How the permutes of ``program``'s traced native HLO depend on each other."""
+    return hlo.chain_report(text, n, program.schedule(n), name=program.name)
+
+
+def run_bench(
+    config: BenchConfig = PRESETS["default"],
+    *,
+    progress: Callable[[str], None] | None = print_progress,
+) -> dict[str, Any]:
+    """Measure the :data:`~xla_permute.tools.bench.programs.PROGRAMS` with ``config``.
+
+    ``progress`` receives a line before and after each mesh launch (default: stderr).
+
+    Keys: ``config``, ``environment``, ``backends`` (which backend produced each figure),
+    ``programs`` (one dict per program at ``n``: ``trace_s``, ``compile_s``, ``fusions``,
+    ``run_s``, ``peak_bytes[variant][mode]`` (largest over ranks), ``peak_bytes_per_rank``,
+    ``bytes``, ``chain[variant]``, ``same_as_baseline``), ``scaling`` (trace and compile at
+    ``scaling_n``), ``ratios`` (against each op's baseline) and ``checks`` (facts that must
+    hold: byte equalities, emulated results equal the baseline's). ``variant`` is "token"
+    (torch_xla's default) or "no_token" (``DISABLE_NUMERIC_CC_TOKEN=1``).
+    """
+    from xla_permute.launch import run_on_mesh
+
+    say = progress or (lambda _: None)
+    cfg = asdict(config)
+    progs = list(PROGRAMS)
+    t_start = time.perf_counter()
+    default_env = {TOKEN_ENV: TOKEN_VARIANTS["token"]}
+
+    def launch(label: str, fn: Callable[..., Any], *args: Any, n: int, **kwargs: Any) -> Any:
+        say(f"{label} on a {n}-device CPU mesh ...")
+        t0 = time.perf_counter()
+        out = run_on_mesh(fn, *args, n=n, **kwargs)
+        say(f"{label}: done in {time.perf_counter() - t0:.1f} s")
+        return out
+
+    main = launch(
+        f"{len(progs)} programs: emulated runs ({config.warmup} warm-up + {config.repeats} "
+        f"timed), then native trace+compile ({config.compile_repeats} rounds)",
+        bench_rank, progs, cfg, run=True, native=True, n=config.n, env=default_env,
+    )  # fmt: skip
+    memory: dict[str, Any] = {}
+    for variant, value in TOKEN_VARIANTS.items():
+        with tempfile.TemporaryDirectory(prefix="xla_permute_bench_dump_") as dump:
+            flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
+            memory[variant] = launch(
+                f"native compiles with XLA dumps, {TOKEN_ENV}={value}",
+                memory_rank, progs, cfg, dump, n=config.n,
+                env={"XLA_FLAGS": flags, TOKEN_ENV: value},
+            )  # fmt: skip
+    scaling_raw = None
+    if config.scaling_n:
+        scaling_raw = launch(
+            f"native trace+compile at N={config.scaling_n}",
+            bench_rank, progs, cfg, run=False, native=True, n=config.scaling_n,
+            env=default_env,
+        )[0]  # fmt: skip
+
+    rank0 = main[0]
+    rows = []
+    for p in progs:
+        per_rank = {
+            v: {mode: [r["memory"][f"{p.name}|{mode}"]["bytes"] for r in memory[v]]
+                for mode in X_MODES}
+            for v in TOKEN_VARIANTS
+        }  # fmt: skip
+        rows.append(
+            {
+                "op": p.op,
+                "method": p.method,
+                "name": p.name,
+                "n": config.n,
+                "trace_s": _median(rank0["trace_s"][p.name]),
+                "compile_s": _median(rank0["compile_s"][p.name]),
+                "fusions": memory["token"][0]["memory"][f"{p.name}|input"]["fusions"],
+                "run_s": max(_median(r["run_s"][p.name]) for r in main),
+                "peak_bytes": {
+                    v: {mode: max(per_rank[v][mode]) for mode in X_MODES} for v in TOKEN_VARIANTS
+                },
+                "peak_bytes_per_rank": per_rank,
+                "bytes": asdict(account(p, rank0["hlo"][p.name], config.n)),
+                "chain": {
+                    "token": chain(p, rank0["hlo"][p.name], config.n),
+                    "no_token": chain(p, memory["no_token"][0]["hlo"][p.name], config.n),
+                },
+                "same_as_baseline": (
+                    None if p.method == "baseline"
+                    else all(r["same_as_baseline"][p.name] for r in main)
+                ),
+            }
+        )  # fmt: skip
+    scaling = []
+    if scaling_raw is not None:
+        for p in progs:
+            scaling.append(
+                {
+                    "op": p.op,
+                    "method": p.method,
+                    "name": p.name,
+                    "n": config.scaling_n,
+                    "trace_s": _median(scaling_raw["trace_s"][p.name]),
+                    "compile_s": _median(scaling_raw["compile_s"][p.name]),
+                    "bytes_total": account(p, scaling_raw["hlo"][p.name], config.scaling_n).total,
+                }
+            )
+    result = {
+        "config": cfg,
+        "environment": _environment(),
+        "backends": dict(BACKENDS),
+        "programs": rows,
+        "scaling": scaling,
+        "seconds": time.perf_counter() - t_start,
+    }
+    result["ratios"] = ratios(rows, scaling)
+    result["checks"] = checks(rows, scaling)
+    return result
