@@ -2,7 +2,7 @@
 
 Nothing here runs on a device: it is arithmetic on published chip figures. Three parts:
 
-* :mod:`xla_permute.cost.chips`: :class:`Chip` and the :data:`CHIPS` table, every figure
+* :mod:`xla_permute.cost.chips`: :class:`Chip` and the ``CHIPS`` table, every figure
   with its citation;
 * :mod:`xla_permute.cost.model`: the formulas (:func:`matmul_time`, :func:`link_time`,
   :func:`ring_collective_time`, :func:`predict`, :func:`speedup`, :func:`crossover`, ...), in

@@ -1,13 +1,14 @@
 """Roofline model of collective matmul and its baselines: when does the ring pay, per chip?
 
 Nothing here runs on a device: it is arithmetic on published chip figures, checked against
-published measurements by :func:`validation_table`.
+published measurements by :func:`~xla_permute.cost.validation_table`.
 
-**Shapes.** A :class:`Workload` is what one rank holds. For all-gather-matmul, x is an
-``m x k`` shard (the gathered operand, gathered along rows) and w a local ``k x n`` block; the
-rank computes ``AllGather(x) @ w``, ``(N m) x n``. For matmul-reduce-scatter, x is ``(N m) x k``
-(k is the sharded, contracted dimension), w is ``k x n``, and the rank ends with its ``m x n``
-block of the sum. ``b`` is bytes per element of what travels.
+**Shapes.** A :class:`~xla_permute.cost.Workload` is what one rank holds. For
+all-gather-matmul, x is an ``m x k`` shard (the gathered operand, gathered along rows) and w a
+local ``k x n`` block; the rank computes ``AllGather(x) @ w``, ``(N m) x n``. For
+matmul-reduce-scatter, x is ``(N m) x k`` (k is the sharded, contracted dimension), w is
+``k x n``, and the rank ends with its ``m x n`` block of the sum. ``b`` is bytes per element
+of what travels.
 
 **Symbols.** ``R = peak * efficiency`` (FLOP/s), ``H`` HBM bandwidth, ``W = link_bandwidth *
 links_per_neighbor`` (bytes/s, one way, towards one ring neighbour), ``L`` per-hop latency,
@@ -40,7 +41,7 @@ links_per_neighbor`` (bytes/s, one way, towards one ring neighbour), ``L`` per-h
   ``T_comm = sum C``; bidirectional halves ``T_comm`` (odd N exactly; ``N / (2 (N - 1))`` for
   even N). Collective matmul pays ``h L + O`` per round where the baseline pays ``O`` once
   and ``L`` per round of a ring that may run both ways; it also re-reads w in every step. On
-  small matrices these make it lose (:func:`crossover`).
+  small matrices these make it lose (:func:`~xla_permute.cost.crossover`).
 
 Neglected: the accumulator additions of matmul-reduce-scatter, the loss of matmul efficiency
 on smaller blocks, and contention with other traffic.

@@ -1,9 +1,9 @@
 """The cost model next to published measurements, each row saying how it relates to them.
 
-:func:`validation_table` lists published times (the scaling book's TPU example, the JAX
-Pallas Mosaic GPU collective matmul on H100) with the model's predictions; ``kind`` tells a
-real prediction from a fit (the figure set a model input) and an identity.
-:func:`scaling_book_chip_check` asks which TPU the book's example ran on.
+:func:`~xla_permute.cost.validation_table` lists published times (the scaling book's TPU
+example, the JAX Pallas Mosaic GPU collective matmul on H100) with the model's predictions;
+``kind`` tells a real prediction from a fit (the figure set a model input) and an identity.
+:func:`~xla_permute.cost.scaling_book_chip_check` asks which TPU the book's example ran on.
 
 >>> rows = validation_table()
 >>> sorted({r.kind for r in rows})

@@ -44,12 +44,10 @@ on (with and without the token); one ``scaling_n``-device mesh times trace and c
 Compiles are small and every emulated program is compiled by its warm-up run before any timed
 run, so no rank arrives late at a rendezvous.
 
-The modules, one job each: :mod:`~xla_permute.tools.bench.programs` (the programs, their
-sizes, building one on a rank), :mod:`~xla_permute.tools.bench.measure` (the rank functions
-that time and compile them and read XLA's memory reports),
-:mod:`~xla_permute.tools.bench.run` (the launches, :func:`run_bench`),
-:mod:`~xla_permute.tools.bench.report` (ratios, checks, :func:`format_report`) and
-:mod:`~xla_permute.tools.bench.cli` (the command line). Bytes and permute chains are read with
+The modules, one job each: ``programs`` (the programs, their sizes, building one on a
+rank), ``measure`` (the rank functions that time and compile them and read XLA's memory
+reports), ``run`` (the launches, :func:`run_bench`), ``report`` (ratios, checks,
+:func:`format_report`) and ``cli`` (the command line). Bytes and permute chains are read with
 :func:`xla_permute.hlo.account_bytes` and :func:`xla_permute.hlo.chain_report`.
 
 >>> config = PRESETS["tiny"]

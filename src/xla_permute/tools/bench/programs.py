@@ -37,7 +37,7 @@ X_MODES = ("input", "computed")
 
 @dataclass(frozen=True)
 class BenchProgram:
-    """One benchmarked program: ``op`` (a key of :data:`BASELINES`) and ``method``
+    """One benchmarked program: ``op`` (a key of ``BASELINES``) and ``method``
     ("uni", "bi" or "baseline")."""
 
     op: str

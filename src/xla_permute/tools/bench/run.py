@@ -72,7 +72,7 @@ def run_bench(
     *,
     progress: Callable[[str], None] | None = print_progress,
 ) -> dict[str, Any]:
-    """Measure the :data:`~xla_permute.tools.bench.programs.PROGRAMS` with ``config``.
+    """Measure the six ``PROGRAMS`` with ``config``; returns plain data (JSON-ready).
 
     ``progress`` receives a line before and after each mesh launch (default: stderr).
 
