@@ -123,7 +123,7 @@ def resolve_wrap(wrap: bool | None, device_type: str | None = None) -> bool:
         import torch_xla.runtime as xr
 
         device_type = xr.device_type()
-    from xla_permute.hardware import requires_complete_rings
+    from xla_permute.hardware.rules import requires_complete_rings
 
     rings_only = requires_complete_rings(device_type)
     if wrap is None:
