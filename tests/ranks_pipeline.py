@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from typing import Any
 
 import torch
+from pipeline_model import mlp_stage, mlp_stage_params
 
 
 def _error(call: Callable[[], Any]) -> str:
@@ -25,7 +27,6 @@ def shift_cases(cases: list[dict[str, Any]], bad: list[dict[str, Any]]) -> dict[
     per case, this rank's ``y`` and input gradient ``grad``.
     """
     import torch_xla
-    import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
     from xla_permute import stage_shift
@@ -40,22 +41,119 @@ def shift_cases(cases: list[dict[str, Any]], bad: list[dict[str, Any]]) -> dict[
         y = stage_shift(x, offset=case["offset"], wrap=case["wrap"], groups=case["groups"])
         (y * case["gs"][rank].to(device)).sum().backward()
         outs.append({"y": y, "grad": x.grad})
-    xm.mark_step()
+    torch_xla.sync()
     return {"errors": errors, "cases": outs}
 
 
-def pipeline_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
-    """Bad pipeline calls (each must raise), the MLP pipeline cases, then the traced programs.
+def mlp_step(case: dict[str, Any]) -> dict[str, Any]:
+    """One MLP pipeline step on this rank (traced; the caller syncs).
 
-    Returns the error messages, the per-case results of
-    :func:`xla_permute.pipeline.mlp_pipeline_cases` (one program) and the HLO of
-    :func:`xla_permute.sendrecv.traced_step_programs` (traced after that program ran, never
-    executed).
+    A case: ``inputs``, ``targets`` (``(replicas, M, batch, dim)``; replica ``r`` runs on ranks
+    ``r*S .. r*S+S-1``) and optionally ``stages``, ``wrap``, ``backend``. Returns this rank's
+    ``loss``, ``outputs``, the ``grads`` of its stage's parameters, its ``replica`` and ``stage``.
+    """
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    from xla_permute import pipeline_forward, pipeline_groups
+
+    device = torch_xla.device()
+    stages = case.get("stages")
+    n_stages = len(pipeline_groups(xr.world_size(), stages)[0])
+    replica, position = divmod(xr.global_ordinal(), n_stages)
+    params = {k: v.to(device).requires_grad_() for k, v in mlp_stage_params(position).items()}
+    outputs = pipeline_forward(
+        functools.partial(mlp_stage, params),
+        case["inputs"][replica].to(device),
+        stages=stages,
+        wrap=case.get("wrap"),
+        backend=case.get("backend", "auto"),
+    )
+    loss = (outputs * case["targets"][replica].to(device)).sum()
+    loss.backward()
+    grads = {k: v.grad for k, v in params.items()}
+    return {"loss": loss, "outputs": outputs, "grads": grads, "replica": replica, "stage": position}
+
+
+def _send_recv_step(
+    params: dict[str, torch.Tensor], inputs: torch.Tensor, targets: torch.Tensor
+) -> list[str]:
+    """GPipe with ``torch.distributed`` send/recv (all forwards, then all backwards), traced.
+
+    Each call follows ``ProcessGroupXla.send`` / ``.recv`` (torch_xla 2.9): a one-pair
+    ``xm.collective_permute``, then ``torch_xla.sync()``. In place of the sync, the program it
+    would run is recorded (``xp.hlo.trace``, which also starts a fresh token chain) and the
+    received tensor is replaced by device data, as a sync leaves it. Returns the programs' HLO,
+    the step's final sync (the parameter gradients) last.
+    """
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    import xla_permute as xp
+
+    rank, n_stages = xr.global_ordinal(), xr.world_size()
+    programs: list[str] = []
+
+    def call(tensor: torch.Tensor, pair: list[int]) -> torch.Tensor:
+        programs.append(xp.hlo.trace(xm.collective_permute(tensor, pairs=[pair])))
+        return torch.zeros(tensor.shape).to(tensor.device)
+
+    saved = []
+    for m in range(inputs.shape[0]):
+        if rank == 0:
+            x = inputs[m]
+        else:  # recv
+            x = call(torch.zeros_like(inputs[m]), [rank - 1, rank]).requires_grad_()
+        y = mlp_stage(params, x)
+        if rank < n_stages - 1:
+            call(y, [rank, rank + 1])  # send
+        saved.append((x, y))
+    for m in reversed(range(inputs.shape[0])):
+        x, y = saved[m]
+        last = rank == n_stages - 1  # d loss / d y: the targets, or received from the next stage
+        y.backward(targets[m] if last else call(torch.zeros_like(y), [rank + 1, rank]))
+        if rank > 0:
+            call(x.grad, [rank, rank - 1])  # send the gradient back
+    return [*programs, xp.hlo.trace([p.grad for p in params.values()])]
+
+
+def traced_step_programs(inputs: torch.Tensor, targets: torch.Tensor) -> dict[str, list[str]]:
+    """The HLO of one MLP pipeline step on this rank, three ways; traced, never executed.
+
+    ``inputs, targets: (M, batch, dim)``, one pipeline over all ranks. ``"shift_open"`` /
+    ``"shift_ring"``: ``pipeline_forward`` with native stage shifts, forward and backward, as
+    the one program of one sync. ``"send_recv"``: see :func:`_send_recv_step`.
+    """
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    import xla_permute as xp
+
+    device, rank = torch_xla.device(), xr.global_ordinal()
+    inputs, targets = inputs.to(device), targets.to(device)
+    out = {}
+    for name, wrap in (("shift_open", False), ("shift_ring", True), ("send_recv", None)):
+        params = {k: v.to(device).requires_grad_() for k, v in mlp_stage_params(rank).items()}
+        if name == "send_recv":
+            out[name] = _send_recv_step(params, inputs, targets)
+            continue
+        stage = functools.partial(mlp_stage, params)
+        loss = (xp.pipeline_forward(stage, inputs, wrap=wrap, backend="native") * targets).sum()
+        loss.backward()
+        out[name] = [xp.hlo.trace([loss, *(p.grad for p in params.values())])]
+    return out
+
+
+def pipeline_cases(cases: list[dict[str, Any]], traced: tuple[torch.Tensor, ...]) -> dict:
+    """Bad pipeline calls (each must raise), the MLP cases in one program, then the traced step.
+
+    ``traced``: ``(inputs, targets)`` of the step traced by :func:`traced_step_programs` after
+    the cases' program ran. Returns ``errors``, per case the result of :func:`mlp_step`, and
+    ``traced``.
     """
     import torch_xla
 
-    from xla_permute.pipeline import mlp_pipeline_cases, pipeline_forward
-    from xla_permute.sendrecv import traced_step_programs
+    from xla_permute import pipeline_forward
 
     device = torch_xla.device()
     good = torch.zeros(3, 2, 4, device=device)
@@ -69,5 +167,6 @@ def pipeline_cases(cases: list[dict[str, Any]]) -> dict[str, Any]:
         lambda: pipeline_forward(torch.relu, good.cpu()),
     ]
     errors = [_error(call) for call in bad]
-    results = mlp_pipeline_cases(cases)
-    return {"errors": errors, "cases": results, "traced": traced_step_programs()}
+    results = [mlp_step(case) for case in cases]
+    torch_xla.sync()
+    return {"errors": errors, "cases": results, "traced": traced_step_programs(*traced)}

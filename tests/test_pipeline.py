@@ -2,7 +2,8 @@
 
 One mesh launch for the module (tests/ranks_pipeline.py::pipeline_cases): the bad calls
 in-rank, every pipeline case forward and backward in one program (emulated backend), then the
-programs of one step traced with the native backend and with the send/recv code path.
+programs of one step traced with the native backend and with the send/recv code path. The
+model, its reference and the HLO counting are in tests/pipeline_model.py.
 """
 
 from __future__ import annotations
@@ -10,18 +11,21 @@ from __future__ import annotations
 import pytest
 import ranks_pipeline
 import torch
-
-from xla_permute import run_on_mesh
-from xla_permute.pairs import forms_complete_rings
-from xla_permute.pipeline import (
+from pipeline_model import (
     compare_with_single_device,
     example_batch,
+    reference_step,
+    sendrecv_code_path,
+    step_cost,
+)
+
+from xla_permute import (
+    forms_complete_rings,
     gpipe_schedule,
     pipeline_groups,
-    reference_step,
+    run_on_mesh,
+    shift_pairs,
 )
-from xla_permute.sendrecv import step_cost
-from xla_permute.shift import shift_pairs
 
 N = 4
 
@@ -91,6 +95,28 @@ def test_reference_sees_micro_batch_order_and_every_stage():
     assert ref["outputs"].abs().max() < 2**24
 
 
+def test_sendrecv_code_path_of_the_installed_backend():
+    """What the send/recv replay of ranks_pipeline follows: one-pair permute + sync per tensor."""
+    path = sendrecv_code_path()
+    for method in ("send", "recv"):
+        calls = path[method][0]
+        assert calls["xm.collective_permute"] == 1 and calls["torch_xla.sync"] == 1, calls
+    assert "pairs=[[xr.global_ordinal(), dst_rank]]" in path["send"][1]
+    assert "pairs=[[src_rank, xr.global_ordinal()]]" in path["recv"][1]
+
+
+def test_step_cost_reads_hlo():
+    text = """
+ENTRY %m (p0: f32[2,4]) -> f32[2,4] {
+  %p0 = f32[2,4]{1,0} parameter(0)
+  ROOT %cp = f32[2,4]{1,0} collective-permute(f32[2,4]{1,0} %p0), source_target_pairs={{0,1},{1,2}}
+}"""
+    cost = step_cost([text, text], rank=1, group_size=4)
+    assert (cost.programs, cost.collectives, cost.bytes_sent) == (2, 2, 64)
+    assert cost.pairs == (((0, 1), (1, 2)),) * 2
+    assert step_cost([text], rank=2, group_size=4).bytes_sent == 0
+
+
 def test_comparison_finds_a_wrong_gradient():
     """compare_with_single_device on hand-made per-rank results: equal, then one grad off."""
     inputs, targets = example_batch(3)
@@ -145,7 +171,8 @@ ERRORS = [
 @pytest.fixture(scope="module")
 def mesh() -> dict:
     names = list(CASES)
-    out = run_on_mesh(ranks_pipeline.pipeline_cases, [CASES[k] for k in names], n=N)
+    traced = tuple(t[0] for t in example_batch())  # one replica, 4 micro-batches
+    out = run_on_mesh(ranks_pipeline.pipeline_cases, [CASES[k] for k in names], traced, n=N)
     return {
         "errors": [r["errors"] for r in out],
         "cases": {k: [r["cases"][i] for r in out] for i, k in enumerate(names)},

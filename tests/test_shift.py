@@ -12,9 +12,9 @@ import pytest
 import ranks_pipeline
 import torch
 
-from xla_permute import run_on_mesh
+from xla_permute import reference, run_on_mesh
 from xla_permute.pairs import decompose, forms_complete_rings, inverse_pairs, is_ring
-from xla_permute.shift import check_offset, reference_shift, resolve_wrap, shift_pairs
+from xla_permute.shift import check_offset, resolve_wrap, shift_pairs
 
 N = 4
 GROUPINGS = {
@@ -40,6 +40,11 @@ def test_forms_and_backward_pairs(n):
         # the backward of a shift is the opposite shift, in the same form
         assert sorted(inverse_pairs(chain)) == sorted(shift_pairs(n, -offset, wrap=False))
         assert sorted(inverse_pairs(ring)) == sorted(shift_pairs(n, -offset, wrap=True))
+        # the reference shift, written from the equation, moves along the same pairs
+        xs = torch.arange(1.0, n + 1)
+        for wrap, pairs in ((False, chain), (True, ring)):
+            want = reference.permute(xs, pairs)
+            assert torch.equal(reference.stage_shift(xs, offset, wrap=wrap), want)
 
 
 @pytest.mark.parametrize(
@@ -76,10 +81,10 @@ def test_hardware_rule_chooses_the_form():
 
 def test_reference_shift_by_hand():
     xs = torch.tensor([10.0, 11.0, 12.0, 13.0])
-    assert reference_shift(xs, 1, wrap=False).tolist() == [0, 10, 11, 12]
-    assert reference_shift(xs, 1, wrap=True).tolist() == [13, 10, 11, 12]
-    assert reference_shift(xs, -2, wrap=False).tolist() == [12, 13, 0, 0]
-    assert reference_shift(xs, 1, wrap=False, groups=GROUPINGS["strided"]).tolist() == [
+    assert reference.stage_shift(xs, 1, wrap=False).tolist() == [0, 10, 11, 12]
+    assert reference.stage_shift(xs, 1, wrap=True).tolist() == [13, 10, 11, 12]
+    assert reference.stage_shift(xs, -2, wrap=False).tolist() == [12, 13, 0, 0]
+    assert reference.stage_shift(xs, 1, wrap=False, groups=GROUPINGS["strided"]).tolist() == [
         0,
         0,
         10,
@@ -139,8 +144,8 @@ def mesh() -> dict:
 
 def test_cases_tell_the_forms_apart():
     for case in CASES.values():
-        open_ = reference_shift(case["xs"], case["offset"], wrap=False, groups=case["groups"])
-        ring = reference_shift(case["xs"], case["offset"], wrap=True, groups=case["groups"])
+        open_ = reference.stage_shift(case["xs"], case["offset"], wrap=False, groups=case["groups"])
+        ring = reference.stage_shift(case["xs"], case["offset"], wrap=True, groups=case["groups"])
         assert not torch.equal(open_, ring)
 
 
@@ -148,8 +153,8 @@ def test_cases_tell_the_forms_apart():
 def test_shift_and_its_backward(mesh, name):
     case, got = CASES[name], mesh["cases"][name]
     kw = dict(wrap=case["wrap"], groups=case["groups"])
-    want = reference_shift(case["xs"], case["offset"], **kw)
-    want_grad = reference_shift(case["gs"], -case["offset"], **kw)  # the opposite shift
+    want = reference.stage_shift(case["xs"], case["offset"], **kw)
+    want_grad = reference.stage_shift(case["gs"], -case["offset"], **kw)  # the opposite shift
     for r in range(N):
         assert got[r]["y"].dtype == case["xs"].dtype
         assert torch.equal(got[r]["y"], want[r]), f"rank {r}: {got[r]['y']} != {want[r]}"

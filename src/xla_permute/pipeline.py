@@ -21,31 +21,15 @@ device data (never Python branches on the rank), so every rank traces the same p
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 
 from xla_permute.permute import Backend, check_xla_tensor, resolve_backend
 from xla_permute.shift import resolve_wrap, stage_shift
 
-__all__ = [
-    "Schedule",
-    "compare_with_single_device",
-    "demo_step",
-    "example_batch",
-    "gpipe_schedule",
-    "mlp_pipeline_cases",
-    "mlp_stage",
-    "mlp_stage_params",
-    "pipeline_forward",
-    "pipeline_groups",
-    "reference_step",
-    "shift_examples",
-    "verify_demo_step",
-]
+__all__ = ["Schedule", "gpipe_schedule", "pipeline_forward", "pipeline_groups"]
 
 Tick = tuple[int | None, ...]
 
@@ -236,207 +220,47 @@ def pipeline_forward(
 
 
 # --------------------------------------------------------------------------------------------
-# A small MLP pipeline with integer-valued parameters, and its single-device reference
+# Temporary: the row of ``python -m xla_permute demo`` until the self-test table replaces demo.py
 # --------------------------------------------------------------------------------------------
 
 
-def mlp_stage_params(stage: int, dim: int = 4, hidden: int = 6) -> dict[str, torch.Tensor]:
-    """Deterministic parameters of stage ``stage``, entries in {-1, 0, 1} (float32).
-
-    ``w1: (dim, hidden)``, ``b1: (hidden,)``, ``w2: (hidden, dim)``, ``b2: (dim,)``.
-    Integer values keep every product and sum of the check exact in float32.
-    """
-    i, j = torch.arange(dim)[:, None], torch.arange(hidden)[None, :]
-    return {
-        "w1": ((i + 2 * j + 3 * stage) % 3 - 1).float(),
-        "b1": ((torch.arange(hidden) + stage) % 3 - 1).float(),
-        "w2": ((2 * j.T + i.T + stage) % 3 - 1).float(),
-        "b2": ((torch.arange(dim) + 2 * stage) % 3 - 1).float(),
-    }
+def _demo_data(stages: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Integer-valued ``ws (S, 4, 4)``, ``inputs`` and ``targets`` ``(M=3, 2, 4)``: exact."""
+    k = torch.arange(stages * 16).reshape(stages, 4, 4)
+    ws = ((k * 7 + k // 4) % 3 - 1).float()
+    m = torch.arange(24).reshape(3, 2, 4)
+    return ws, (m * 5 % 7 - 3).float(), (m * 3 % 5 - 2).float()
 
 
-def mlp_stage(params: dict[str, torch.Tensor], x: torch.Tensor) -> torch.Tensor:
-    """One stage: ``relu(x @ w1 + b1) @ w2 + b2``; ``x: (batch, dim)`` -> ``(batch, dim)``."""
-    return torch.relu(x @ params["w1"] + params["b1"]) @ params["w2"] + params["b2"]
+def _demo_stage(w: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    return torch.relu(x @ w) + x
 
 
-def example_batch(
-    micro_batches: int = 4, batch: int = 2, dim: int = 4, replicas: int = 1
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Integer-valued ``inputs`` and ``targets``, each ``(replicas, M, batch, dim)``.
-
-    Inputs lie in {-3..3}, targets in {-1, 0, 1}, both from a multiplicative hash of the
-    element index (for the default sizes no two micro-batches have the same inputs).
-    """
-    _check_count(micro_batches, "micro_batches", "pass at least one micro-batch")
-    k = torch.arange(replicas * micro_batches * batch * dim).reshape(
-        replicas, micro_batches, batch, dim
-    )
-    inputs = ((k * 2654435761) // 128 % 7 - 3).float()  # a multiplicative hash, not periodic
-    targets = ((k * 40503) // 64 % 3 - 1).float()
-    return inputs, targets
-
-
-def reference_step(
-    inputs: torch.Tensor, targets: torch.Tensor, *, stages: int, hidden: int = 6
-) -> dict[str, Any]:
-    """The single-device model: all ``stages`` MLP stages in a row, one replica.
-
-    ``inputs, targets: (M, batch, dim)``. Loss: ``sum_m sum(out_m * targets_m)`` (linear, so
-    its gradient is the integer ``targets``). Returns ``loss``, ``outputs (M, batch, dim)`` and
-    ``grads``: one dict of parameter gradients per stage.
-    """
-    params = [
-        {k: v.requires_grad_() for k, v in mlp_stage_params(s, inputs.shape[-1], hidden).items()}
-        for s in range(stages)
-    ]
-    outputs = []
-    for m in range(inputs.shape[0]):
-        h = inputs[m]
-        for p in params:
-            h = mlp_stage(p, h)
-        outputs.append(h)
-    out = torch.stack(outputs)
-    loss = (out * targets).sum()
-    loss.backward()
-    return {
-        "loss": loss.detach(),
-        "outputs": out.detach(),
-        "grads": [{k: v.grad for k, v in p.items()} for p in params],
-    }
-
-
-def _mlp_step(
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    stages: int | None,
-    hidden: int,
-    wrap: bool | None,
-    backend: Backend,
-) -> dict[str, Any]:
-    """One pipeline step of the MLP on this rank (traced; the caller syncs)."""
+def demo_step() -> dict[str, torch.Tensor]:
+    """Rank function: one GPipe step (forward, backward) of :func:`_demo_data`'s model."""
     import torch_xla
     import torch_xla.runtime as xr
 
-    device = torch_xla.device()
-    n_stages = len(pipeline_groups(xr.world_size(), stages)[0])
-    replica, position = divmod(xr.global_ordinal(), n_stages)
-    params = {
-        k: v.to(device).requires_grad_()
-        for k, v in mlp_stage_params(position, inputs.shape[-1], hidden).items()
-    }
-    outputs = pipeline_forward(
-        functools.partial(mlp_stage, params),
-        inputs[replica].to(device),
-        stages=stages,
-        wrap=wrap,
-        backend=backend,
-    )
-    loss = (outputs * targets[replica].to(device)).sum()
+    ws, inputs, targets = _demo_data(xr.world_size())
+    w = ws[xr.global_ordinal()].to(torch_xla.device()).requires_grad_()
+    y = pipeline_forward(lambda x: _demo_stage(w, x), inputs.to(w.device))
+    loss = (y * targets.to(w.device)).sum()
     loss.backward()
-    return {
-        "loss": loss.detach(),
-        "outputs": outputs.detach(),
-        "grads": {k: v.grad for k, v in params.items()},
-        "replica": replica,
-        "stage": position,
-    }
+    torch_xla.sync()
+    return {"loss": loss, "grad": w.grad}
 
 
-def mlp_pipeline_cases(cases: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Rank function: one MLP pipeline step per case, all in one program (one ``mark_step``).
-
-    A case: ``inputs`` and ``targets`` (``(replicas, M, batch, dim)``, replica ``r`` runs on
-    ranks ``r*S .. r*S+S-1``), and optionally ``stages``, ``hidden`` (6), ``wrap``,
-    ``backend`` ("auto"). Returns, per case, this rank's ``loss``, ``outputs``, the
-    ``grads`` of its stage's parameters, its ``replica`` and ``stage``.
-    """
-    import torch_xla.core.xla_model as xm
-
-    outs = [
-        _mlp_step(
-            c["inputs"],
-            c["targets"],
-            c.get("stages"),
-            c.get("hidden", 6),
-            c.get("wrap"),
-            c.get("backend", "auto"),
-        )
-        for c in cases
-    ]
-    xm.mark_step()
-    return outs
-
-
-def compare_with_single_device(
-    results: Sequence[dict[str, Any]],
-    inputs: torch.Tensor,
-    targets: torch.Tensor,
-    *,
-    hidden: int = 6,
-) -> list[str]:
-    """Compare per-rank pipeline results with :func:`reference_step`, exactly.
-
-    ``results``: the per-rank dicts of one case of :func:`mlp_pipeline_cases`. Checks, for
-    every replica: the summed loss, the last stage's outputs (zeros elsewhere), and every
-    stage's parameter gradients. Returns the differences found (empty: all equal).
-    """
-    stages = max(r["stage"] for r in results) + 1
-    problems = []
-    for replica in range(inputs.shape[0]):
-        ranks = [r for r in results if r["replica"] == replica]
-        ref = reference_step(inputs[replica], targets[replica], stages=stages, hidden=hidden)
-        loss = sum(r["loss"] for r in ranks)
-        if not torch.equal(loss, ref["loss"]):
-            problems.append(f"replica {replica}: loss {loss.item()} != {ref['loss'].item()}")
-        for r in ranks:
-            where = f"replica {replica}, stage {r['stage']}"
-            last = r["stage"] == stages - 1
-            expected = ref["outputs"] if last else torch.zeros_like(ref["outputs"])
-            if not torch.equal(r["outputs"], expected):
-                problems.append(f"{where}: outputs differ")
-            for name, grad in ref["grads"][r["stage"]].items():
-                if not torch.equal(r["grads"][name], grad):
-                    diff = (r["grads"][name] - grad).abs().max().item()
-                    problems.append(f"{where}: grad of {name} differs (max |diff| {diff})")
-    return problems
-
-
-_SHIFT_FORMS = ((1, False), (1, True), (-1, False), (-1, True), (2, False))
-
-
-def shift_examples(
-    forms: Sequence[tuple[int, bool]] = _SHIFT_FORMS,
-) -> dict[str, dict[str, torch.Tensor]]:
-    """Rank function for the docs: :func:`~xla_permute.shift.stage_shift` forward and backward.
-
-    Rank ``r`` holds ``x = [r + 1]`` and receives the upstream gradient ``[10 (r + 1)]``; for
-    each ``(offset, wrap)`` in ``forms`` returns this rank's ``y`` and ``grad`` (of ``x``),
-    keyed ``"open +1"``, ``"ring +1"``, ... All in one program (one ``mark_step``).
-    """
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    import torch_xla.runtime as xr
-
-    rank, device = xr.global_ordinal(), torch_xla.device()
-    out = {}
-    for offset, wrap in forms:
-        x = torch.tensor([rank + 1.0]).to(device).requires_grad_()
-        y = stage_shift(x, offset=offset, wrap=wrap)
-        (y * (10.0 * (rank + 1))).sum().backward()
-        out[f"{'ring' if wrap else 'open'} {offset:+d}"] = {"y": y.detach(), "grad": x.grad}
-    xm.mark_step()
-    return out
-
-
-def demo_step() -> dict[str, Any]:
-    """Rank function of the demo check: one 4-micro-batch step of :func:`example_batch`."""
-    inputs, targets = example_batch()
-    return mlp_pipeline_cases([{"inputs": inputs, "targets": targets}])[0]
-
-
-def verify_demo_step(results: list[dict[str, Any]]) -> None:
-    """Raise AssertionError unless :func:`demo_step`'s results equal the single-device model."""
-    problems = compare_with_single_device(results, *example_batch())
-    if problems:
-        raise AssertionError("; ".join(problems[:3]))
+def verify_demo_step(results: list[dict[str, torch.Tensor]]) -> None:
+    """Raise AssertionError unless :func:`demo_step` equals the model on one device, exactly."""
+    ws, inputs, targets = _demo_data(len(results))
+    ws.requires_grad_()
+    h = inputs
+    for w in ws:
+        h = _demo_stage(w, h)
+    loss = (h * targets).sum()
+    loss.backward()
+    if not torch.equal(sum(r["loss"] for r in results), loss.detach()):
+        raise AssertionError("the pipeline's loss differs from one device's")
+    for s, r in enumerate(results):
+        if not torch.equal(r["grad"], ws.grad[s]):
+            raise AssertionError(f"stage {s}: the weight gradient differs from one device's")

@@ -26,6 +26,7 @@ __all__ = [
     "matmul_reduce_scatter",
     "permute",
     "reduce_scatter",
+    "stage_shift",
 ]
 
 
@@ -42,6 +43,28 @@ def permute(
     source = {t: s for s, t in global_pairs(pairs, groups, n)}
     padded = torch.cat([xs, torch.zeros_like(xs[:1])])  # row n: the zero fill
     return padded[[source.get(t, n) for t in range(n)]]
+
+
+def stage_shift(
+    xs: torch.Tensor,
+    offset: int = 1,
+    *,
+    wrap: bool,
+    groups: Sequence[Sequence[int]] | None = None,
+) -> torch.Tensor:
+    """A stage shift: ``out[r] = xs[r - offset]``; the ends get zeros, or wrap with ``wrap``.
+
+    ``0 < |offset| <`` the group size. With ``groups``, ``r`` is the position inside each group.
+    The backward is the opposite shift, ``stage_shift(gs, -offset, wrap=wrap)``.
+
+    >>> stage_shift(torch.arange(4.0), 1, wrap=False).tolist()
+    [0.0, 0.0, 1.0, 2.0]
+    >>> stage_shift(torch.arange(4.0), -1, wrap=True, groups=[[0, 1], [2, 3]]).tolist()
+    [1.0, 0.0, 3.0, 2.0]
+    """
+    n = len(groups[0]) if groups is not None else xs.shape[0]
+    pairs = [(r, (r + offset) % n) for r in range(n) if wrap or 0 <= r + offset < n]
+    return permute(xs, pairs, groups)
 
 
 def all_gather(xs: torch.Tensor, dim: int) -> torch.Tensor:

@@ -23,7 +23,8 @@ Per rank, for a group of ``n`` ranks and rank ``r`` in it::
 Backward: the opposite shift of the gradient, in the same form,
 ``grad_x = stage_shift(grad_y, offset=-offset)``; it is the autograd of
 :func:`~xla_permute.permute.collective_permute` (the permute with the inverse pairs). In the open
-chain the last ranks' ``x`` went nowhere and gets a zero gradient.
+chain the last ranks' ``x`` went nowhere and gets a zero gradient. The pure-torch reference, on
+a virtual mesh, is :func:`xla_permute.reference.stage_shift`.
 
 >>> shift_pairs(4, 1, wrap=False)
 ((0, 1), (1, 2), (2, 3))
@@ -45,7 +46,6 @@ from xla_permute.permute import Backend, check_xla_tensor, collective_permute, r
 
 __all__ = [
     "check_offset",
-    "reference_shift",
     "resolve_wrap",
     "shift_pairs",
     "stage_shift",
@@ -183,23 +183,3 @@ def stage_shift(
     ring = resolve_wrap(wrap, xr.device_type())
     pairs = shift_pairs(len(checked_groups[0]), offset, wrap=ring)
     return collective_permute(x, pairs, groups=checked_groups, backend=chosen)
-
-
-def reference_shift(
-    xs: torch.Tensor,
-    offset: int = 1,
-    *,
-    wrap: bool,
-    groups: Sequence[Sequence[int]] | None = None,
-) -> torch.Tensor:
-    """Pure-torch :func:`stage_shift` on a virtual mesh (leading axis = rank).
-
-    >>> reference_shift(torch.arange(4.0), 1, wrap=False).tolist()
-    [0.0, 0.0, 1.0, 2.0]
-    >>> reference_shift(torch.arange(4.0), -1, wrap=True, groups=[[0, 1], [2, 3]]).tolist()
-    [1.0, 0.0, 3.0, 2.0]
-    """
-    from xla_permute.reference import permute
-
-    n = len(check_groups(groups, xs.shape[0])[0])
-    return permute(xs, shift_pairs(n, offset, wrap=wrap), groups)
