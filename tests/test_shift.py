@@ -79,7 +79,7 @@ def test_hardware_rule_chooses_the_form():
         assert forms_complete_rings(pairs)
 
 
-def test_reference_shift_by_hand():
+def test_reference_stage_shift_by_hand():
     xs = torch.tensor([10.0, 11.0, 12.0, 13.0])
     assert reference.stage_shift(xs, 1, wrap=False).tolist() == [0, 10, 11, 12]
     assert reference.stage_shift(xs, 1, wrap=True).tolist() == [13, 10, 11, 12]
