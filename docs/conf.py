@@ -45,7 +45,6 @@ nitpicky = False
 html_theme = "sphinx_book_theme"
 html_title = "xla-permute"
 html_theme_options = {
-    "repository_url": "https://github.com/xla-permute/xla-permute",
     "use_download_button": True,
     "use_source_button": False,
     "use_repository_button": False,
