@@ -202,8 +202,8 @@ _CAVEATS: tuple[Caveat, ...] = (
             f"{_PT_XLA}/pull/9373",
         ),
         evidence=(
-            "not confirmed by a public AWS document: the rule ('only circular permute "
-            "patterns') is from the project's design notes; PR 8818 confirms the connectivity "
+            "not confirmed by a public AWS document: this project assumes the rule ('only "
+            "circular permute patterns') without a public source; PR 8818 confirms the connectivity "
             "requirement for its ring, and in PR 9373 an AWS engineer reports 2-rank send/recv "
             "tests passing on a Neuron device, so small open chains may run; the check is "
             "deliberately conservative"
@@ -226,8 +226,8 @@ _CAVEATS: tuple[Caveat, ...] = (
         sources=("https://openxla.org/xla/operation_semantics#collectivepermute",),
         evidence=(
             "XLA's zero fill is in the operation semantics and is what the emulated backend "
-            "and the reference do; the Neuron behaviour is from the project's design notes and "
-            "not confirmed by a public AWS document"
+            "and the reference do; the Neuron behaviour is an assumption of this project, not "
+            "confirmed by a public AWS document"
         ),
     ),
     Caveat(
@@ -248,8 +248,8 @@ _CAVEATS: tuple[Caveat, ...] = (
         sources=(f"{_NEURON_DOCS}/compiler/error-codes/EVRF061.html",),
         evidence=(
             "the all-reduce case is documented (NCC_EVRF061); the general rule for other "
-            "collectives, permute included, is from the project's design notes and not "
-            "confirmed by a public AWS document, hence a warning, not an error"
+            "collectives, permute included, is an assumption of this project, not confirmed "
+            "by a public AWS document, hence a warning, not an error"
         ),
     ),
     Caveat(
