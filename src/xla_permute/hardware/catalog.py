@@ -204,9 +204,9 @@ _CAVEATS: tuple[Caveat, ...] = (
         evidence=(
             "not confirmed by a public AWS document: this project assumes the rule ('only "
             "circular permute patterns') without a public source; PR 8818 confirms the "
-            "connectivity requirement for its ring, and in PR 9373 an AWS engineer reports 2-rank send/recv "
-            "tests passing on a Neuron device, so small open chains may run; the check is "
-            "deliberately conservative"
+            "connectivity requirement for its ring, and in PR 9373 an AWS engineer reports "
+            "2-rank send/recv tests passing on a Neuron device, so small open chains may run; "
+            "the check is deliberately conservative"
         ),
     ),
     Caveat(
