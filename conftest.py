@@ -8,6 +8,7 @@ tutorial are reported as not run (skipped with that reason), never as passed.
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
@@ -18,6 +19,10 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent / "tests"))
 
 from notebook_cells import CellRunner, code_cells  # noqa: E402
+
+# The CPU-mesh tests run in the debug mode (xla_permute.debug): every collective of the package
+# first checks that all ranks pass the same arguments. The mesh inherits this environment.
+os.environ.setdefault("XLA_PERMUTE_DEBUG", "1")
 
 TUTORIALS = Path(__file__).parent / "tutorials"
 

@@ -50,7 +50,8 @@ def matmul_program(
     kwargs: dict[str, Any] = {"dim": 0}
     if op in ("all_gather_matmul", "matmul_reduce_scatter"):
         kwargs.update(bidirectional=bidirectional, backend=backend)
-    y = getattr(xp, op)(x, w, **kwargs)
+    with xp.hlo.tracing():  # the native backend is only traced on the CPU mesh
+        y = getattr(xp, op)(x, w, **kwargs)
     if not backward:
         return [y]
     y.sum().backward()

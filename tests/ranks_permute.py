@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from xla_permute.hlo import discard_traced_collectives
+from xla_permute.hlo import discard_traced_collectives, tracing
 
 
 def permute_cases(cases: list[dict[str, Any]], backend: str = "auto") -> list[dict[str, Any]]:
@@ -84,6 +84,11 @@ def traced_hlo(native_cases: list[dict[str, Any]]) -> dict[str, Any]:
     For each native case (``pairs``, ``groups``): the forward and the backward (the gradient
     of ``sum(y * 1)``). Also an emulated ring, and empty pairs on both backends.
     """
+    with tracing():  # the native backend is only traced on the CPU mesh
+        return _traced_hlo(native_cases)
+
+
+def _traced_hlo(native_cases: list[dict[str, Any]]) -> dict[str, Any]:
     import torch_xla
     import torch_xla.runtime as xr
 

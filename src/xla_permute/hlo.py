@@ -24,7 +24,9 @@ with :func:`parse`. What each rank sends, per collective and per ring step, is
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+import threading
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
@@ -42,10 +44,12 @@ __all__ = [
     "bytes_sent_per_rank",
     "chain_report",
     "discard_traced_collectives",
+    "is_tracing",
     "parse",
     "permute_steps",
     "shape_bytes",
     "trace",
+    "tracing",
 ]
 
 COLLECTIVE_KINDS = (
@@ -420,3 +424,30 @@ def trace(tensors: object) -> str:
     text = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
     discard_traced_collectives()
     return text
+
+
+_tracing = threading.local()  # per rank: the ranks of the CPU mesh are threads of one process
+
+
+@contextmanager
+def tracing() -> Iterator[None]:
+    """Trace collectives that cannot run here, to read their HLO with :func:`trace`.
+
+    The native backend (``xm.collective_permute``) cannot run on the CPU mesh, so the ops of this
+    package refuse it there, except inside this block: the caller promises to trace the tensors
+    it builds (:func:`trace`) and discard them, never to run them. On leaving the block the
+    collectives traced in it are forgotten (:func:`discard_traced_collectives`).
+    """
+    depth = getattr(_tracing, "depth", 0)
+    _tracing.depth = depth + 1
+    try:
+        yield
+    finally:
+        _tracing.depth = depth
+        if depth == 0:
+            discard_traced_collectives()
+
+
+def is_tracing() -> bool:
+    """True inside :func:`tracing` on this thread."""
+    return getattr(_tracing, "depth", 0) > 0

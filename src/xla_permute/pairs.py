@@ -67,6 +67,27 @@ def _as_rank(value: object, where: str) -> int:
     return int(value)
 
 
+def _as_lists(value: object, name: str, columns: int | None) -> object:
+    """A numpy array or torch tensor of integers as nested lists; anything else unchanged.
+
+    ``columns=2``: pairs, ``(k, 2)`` (or empty); ``None``: groups, ``(g, size)``.
+    """
+    if not (hasattr(value, "tolist") and hasattr(value, "shape") and hasattr(value, "dtype")):
+        return value
+    shape = tuple(value.shape)
+    kind = str(value.dtype)
+    if "int" not in kind:
+        raise TypeError(
+            f"{name} is an array of dtype {kind}; rank ids must be integers: pass an integer "
+            f"array (e.g. .astype(int)) or a list of pairs such as [(0, 1), (1, 0)]"
+        )
+    empty = len(shape) >= 1 and shape[0] == 0
+    if not empty and (len(shape) != 2 or (columns is not None and shape[1] != columns)):
+        want = "(k, 2)" if columns == 2 else "(groups, ranks per group)"
+        raise TypeError(f"{name} is an array of shape {shape}; it must have the shape {want}")
+    return value.tolist()
+
+
 def check_pairs(pairs: PairsLike, group_size: int | None) -> Pairs:
     """Validate ``pairs`` for groups of ``group_size`` ranks and return them as int tuples.
 
@@ -84,7 +105,10 @@ def check_pairs(pairs: PairsLike, group_size: int | None) -> Pairs:
     Traceback (most recent call last):
     ...
     ValueError: pairs: duplicate target 1 in pairs (0, 1) and (2, 1); every rank may receive ...
+
+    A numpy ``(k, 2)`` integer array or a 2-column integer tensor is accepted as well.
     """
+    pairs = _as_lists(pairs, "pairs", 2)  # type: ignore[assignment]
     if isinstance(pairs, (str, bytes)) or not isinstance(pairs, Iterable):
         raise TypeError(
             f"pairs must be a sequence of (source, target) pairs such as [(0, 1), (1, 0)], "
@@ -94,6 +118,8 @@ def check_pairs(pairs: PairsLike, group_size: int | None) -> Pairs:
     by_source: dict[int, Pair] = {}
     by_target: dict[int, Pair] = {}
     for i, pair in enumerate(pairs):
+        if getattr(pair, "ndim", None) == 1 and hasattr(pair, "tolist"):  # a numpy/torch row
+            pair = pair.tolist()
         if isinstance(pair, (str, bytes)) or not isinstance(pair, Sequence) or len(pair) != 2:
             raise TypeError(
                 f"pairs[{i}] = {pair!r} is not a (source, target) pair; pairs must be a "
@@ -138,6 +164,7 @@ def check_groups(groups: Sequence[Sequence[int]] | None, world_size: int) -> Gro
     """
     if groups is None:
         return (tuple(range(world_size)),)
+    groups = _as_lists(groups, "groups", None)  # type: ignore[assignment]
     if isinstance(groups, (str, bytes)) or not isinstance(groups, Sequence) or not groups:
         raise TypeError(
             f"groups must be a non-empty list of rank lists such as [[0, 1], [2, 3]], or None "
@@ -197,10 +224,17 @@ def ring_pairs(n: int, shift: int = 1) -> Pairs:
     >>> ring_pairs(3, shift=-1)
     ((0, 2), (1, 0), (2, 1))
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+    try:
+        size = _as_rank(n, "n")
+    except TypeError:
+        size = 0
+    if size < 1:
         raise ValueError(f"n must be a positive int number of ranks, got {n!r}")
-    if isinstance(shift, bool) or not isinstance(shift, int):
-        raise TypeError(f"shift must be an int number of ranks, got {shift!r}")
+    n = size
+    try:
+        shift = _as_rank(shift, "shift")
+    except TypeError:
+        raise TypeError(f"shift must be an int number of ranks, got {shift!r}") from None
     return tuple((r, (r + shift) % n) for r in range(n))
 
 

@@ -7,7 +7,8 @@ and dtype.
 
 Backends:
 
-* ``"native"``: ``xm.collective_permute``, one HLO ``collective-permute`` (TPU, Neuron);
+* ``"native"``: ``xm.collective_permute``, one HLO ``collective-permute`` (TPU, Neuron); on
+  the CPU mesh only traced, inside :func:`xla_permute.hlo.tracing` (it raises otherwise);
 * ``"emulated"``: the same result from a channel-id all-gather and a per-rank select. It moves
   N times the data of a permute and exists for the CPU mesh, where collectives without a channel
   id (``xm.collective_permute`` among them) cannot run;
@@ -24,9 +25,23 @@ from typing import Any, Literal
 
 import torch
 
-from xla_permute.pairs import Pairs, PairsLike, global_pairs, inverse_pairs, source_of
+from xla_permute.pairs import (
+    Pairs,
+    PairsLike,
+    check_groups,
+    global_pairs,
+    inverse_pairs,
+    source_of,
+)
 
-__all__ = ["BACKENDS", "Backend", "collective_permute", "resolve_backend"]
+__all__ = [
+    "BACKENDS",
+    "Backend",
+    "check_native_runs_here",
+    "device_error",
+    "collective_permute",
+    "resolve_backend",
+]
 
 Backend = Literal["auto", "native", "emulated"]
 BACKENDS: tuple[str, ...] = ("auto", "native", "emulated")
@@ -61,6 +76,45 @@ def check_xla_tensor(x: object, name: str = "x") -> torch.Tensor:
     return x
 
 
+def device_error(x: torch.Tensor, name: str = "x") -> ValueError | None:
+    """The error to raise if the XLA tensor ``x`` is not on this rank's device, else None.
+
+    On the CPU mesh every rank is a thread with a device of its own; a tensor made with
+    ``device="xla:0"`` on every rank is fine on rank 0 alone, and rank 0 would wait in the
+    collective for the others forever. In debug mode rank 0 learns of it in the check.
+    """
+    import torch_xla
+
+    here = torch_xla.device()
+    if x.device == here:
+        return None
+    return ValueError(
+        f"{name} is on {x.device}, but this rank's device is {here}: every rank passes a "
+        f"tensor on its own device; create it with device=torch_xla.device() or move it "
+        f"with {name}.to(torch_xla.device())"
+    )
+
+
+def check_native_runs_here(device_type: str) -> None:
+    """Raise if the native backend would *run* on ``device_type`` (the CPU mesh cannot).
+
+    XLA:CPU matches the participants of a collective by its channel id, and
+    ``xm.collective_permute`` has none: executed on the CPU mesh, it aborts the process in a
+    rendezvous. Tracing it for its HLO is fine, inside :func:`xla_permute.hlo.tracing`.
+    """
+    if device_type != "CPU":
+        return
+    from xla_permute.hlo import is_tracing
+
+    if not is_tracing():
+        raise ValueError(
+            "backend='native' (xm.collective_permute) cannot run on the CPU mesh: it carries "
+            "no channel id, and XLA:CPU would abort in a rendezvous; use backend='emulated' "
+            "(or 'auto') to run it here, or build it inside `with xla_permute.hlo.tracing():` "
+            "to read its HLO with xla_permute.hlo.trace (traced, never run)"
+        )
+
+
 def _permute_native(x: torch.Tensor, pairs: Pairs) -> torch.Tensor:
     import torch_xla.core.xla_model as xm
 
@@ -90,7 +144,7 @@ def _permute_emulated(x: torch.Tensor, pairs: Pairs, world_size: int, rank: int)
 
 
 def _permute(x: torch.Tensor, pairs: Pairs, backend: str) -> torch.Tensor:
-    if not pairs:  # every rank receives zeros; no collective needed (all ranks agree)
+    if not pairs or x.numel() == 0:  # zeros or nothing to send: no collective (ranks agree)
         return torch.zeros_like(x)
     if backend == "native":
         return _permute_native(x, pairs)
@@ -124,7 +178,8 @@ def collective_permute(
         x: this rank's tensor, on an XLA device; any shape and dtype. The output has the same.
         pairs: ``(source, target)`` rank pairs, a partial permutation (see
             :mod:`xla_permute.pairs`): self pairs, several cycles and open chains are fine.
-            Empty pairs mean every rank receives zeros (no collective is issued).
+            Empty pairs mean every rank receives zeros (no collective is issued). Also a
+            numpy ``(k, 2)`` integer array or a 2-column integer tensor.
         groups: replica groups that partition the ranks, all of one size; ``pairs`` are then
             group-local and apply in every group. ``None``: one group of all ranks.
         backend: ``"native"``, ``"emulated"`` or ``"auto"`` (see the module docstring). The
@@ -137,9 +192,15 @@ def collective_permute(
 
     Raises:
         TypeError: ``x`` is not a tensor, or ``pairs``/``groups`` are malformed.
-        ValueError: ``x`` is not on an XLA device, or bad ids, duplicates, groups or backend.
-            Every check runs before any collective is issued; the message names the
-            offending value and what is allowed.
+        ValueError: ``x`` is not on this rank's XLA device, or bad ids, duplicates, groups
+            or backend, or ``backend="native"`` on the CPU mesh outside
+            :func:`xla_permute.hlo.tracing`. Every check runs before any collective is
+            issued; the message names the offending value and what is allowed.
+        xla_permute.debug.DisagreementError: in debug mode (:mod:`xla_permute.debug`), on
+            every rank, when the ranks pass different shapes, dtypes, pairs, groups or
+            backends.
+
+    An empty ``x`` (a zero in its shape) gives the empty result without a collective.
     """
     check_xla_tensor(x)
     chosen = resolve_backend(backend)  # a bad x or backend raises before torch_xla is imported
@@ -150,4 +211,15 @@ def collective_permute(
         from xla_permute.hardware.rules import check_device_pairs
 
         check_device_pairs(xr.device_type(), checked, xr.world_size(), dtype=x.dtype)
+        check_native_runs_here(xr.device_type())
+    from xla_permute import debug
+
+    fields = {
+        "x.shape": tuple(x.shape),
+        "x.dtype": str(x.dtype),
+        "pairs": checked,
+        "groups": check_groups(groups, xr.world_size()),
+        "backend": chosen,
+    }
+    debug.check_agreement("collective_permute", fields, error=device_error(x))
     return _CollectivePermute.apply(x, checked, chosen)

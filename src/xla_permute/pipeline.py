@@ -21,12 +21,14 @@ device data (never Python branches on the rank), so every rank traces the same p
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from xla_permute.permute import Backend, check_xla_tensor, resolve_backend
+from xla_permute.permute import Backend, check_xla_tensor, device_error, resolve_backend
 from xla_permute.shift import resolve_wrap, stage_shift
 
 __all__ = ["Schedule", "gpipe_schedule", "pipeline_forward", "pipeline_groups"]
@@ -40,6 +42,9 @@ Tick = tuple[int | None, ...]
 
 
 def _check_count(value: object, name: str, fix: str) -> int:
+    if not isinstance(value, (bool, int)):
+        with contextlib.suppress(TypeError):  # numpy / torch integer scalars
+            value = operator.index(value)  # type: ignore[arg-type]
     if isinstance(value, bool) or not isinstance(value, int):
         raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
     if value < 1:
@@ -157,8 +162,9 @@ def pipeline_forward(
     Args:
         stage: this rank's stage, ``y = stage(x)`` with ``y.shape == x.shape`` (one
             activation shape flows through the pipeline).
-        inputs: ``(M, *shape)``, the ``M`` micro-batches, on an XLA device. Only the first
-            stage reads the values; the other ranks pass any tensor of the same shape.
+        inputs: ``(M, *shape)``, the ``M`` micro-batches, on this rank's XLA device. Only the
+            first stage reads the values; the other ranks pass any tensor of the same shape.
+            ``M = 0`` (or an empty activation) gives the empty result without a collective.
         stages: stages per pipeline; must divide the world size (``None``: all ranks). With
             fewer stages than ranks, consecutive blocks of ranks form independent pipelines.
         wrap: the form of the stage shifts (see :func:`~xla_permute.shift.stage_shift`);
@@ -172,7 +178,7 @@ def pipeline_forward(
 
     Raises:
         TypeError: ``stage`` is not callable, ``wrap`` no bool (or None), ``stages`` no int.
-        ValueError: ``inputs`` is not on an XLA device or holds no micro-batch, ``stages``
+        ValueError: ``inputs`` is not on this rank's XLA device or is 0-d, ``stages``
             does not divide the world size, ``backend`` is unknown, or the stage changes the
             shape. Both are raised before any collective is issued, with the fix in the
             message.
@@ -180,10 +186,10 @@ def pipeline_forward(
     if not callable(stage):
         raise TypeError(f"stage must be a callable x -> y, got {type(stage).__name__}")
     check_xla_tensor(inputs, "inputs")
-    if inputs.dim() < 1 or inputs.shape[0] < 1:
+    if inputs.dim() < 1:
         raise ValueError(
             f"inputs has shape {tuple(inputs.shape)}: its leading axis counts the "
-            f"micro-batches and must be at least 1; stack them as (M, *activation_shape)"
+            f"micro-batches; stack them as (M, *activation_shape)"
         )
     chosen = resolve_backend(backend)
     import torch_xla.runtime as xr
@@ -191,6 +197,18 @@ def pipeline_forward(
     ring = resolve_wrap(wrap, xr.device_type())
     groups = pipeline_groups(xr.world_size(), stages)
     n_stages = len(groups[0])
+    from xla_permute import debug
+
+    fields = {
+        "inputs.shape": tuple(inputs.shape),
+        "inputs.dtype": str(inputs.dtype),
+        "stages": n_stages,
+        "wrap": ring,
+        "backend": chosen,
+    }
+    debug.check_agreement("pipeline_forward", fields, error=device_error(inputs, "inputs"))
+    if inputs.shape[0] == 0:  # no micro-batch: nothing flows, no collective (ranks agree)
+        return inputs * 0
     schedule = gpipe_schedule(n_stages, inputs.shape[0])
     position = xr.global_ordinal() % n_stages
     shift_groups = None if len(groups) == 1 else groups

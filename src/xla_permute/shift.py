@@ -37,6 +37,8 @@ True
 
 from __future__ import annotations
 
+import contextlib
+import operator
 from collections.abc import Sequence
 
 import torch
@@ -65,6 +67,9 @@ def check_offset(offset: object, group_size: int) -> int:
     ...
     ValueError: offset=4 is not smaller than the group of 4 ranks in size: ...
     """
+    if not isinstance(offset, bool) and not isinstance(offset, int):
+        with contextlib.suppress(TypeError):  # numpy / torch integer scalars
+            offset = operator.index(offset)
     if isinstance(offset, bool) or not isinstance(offset, int):
         raise TypeError(
             f"offset must be an int number of ranks (1: to the next stage, -1: to the previous "
@@ -92,7 +97,7 @@ def shift_pairs(n: int, offset: int = 1, *, wrap: bool) -> Pairs:
     >>> shift_pairs(3, -1, wrap=False), shift_pairs(3, -1, wrap=True)
     (((1, 0), (2, 1)), ((0, 2), (1, 0), (2, 1)))
     """
-    check_offset(offset, n)
+    offset = check_offset(offset, n)
     if not isinstance(wrap, bool):
         raise TypeError(f"wrap must be True or False here, got {wrap!r}")
     if wrap:
@@ -172,7 +177,9 @@ def stage_shift(
             is issued, with the fix in the message.
 
     Every rank must call it, with the same arguments, and use the result (a rank that drops it
-    would drop the collective from its program and leave the others waiting).
+    would drop the collective from its program and leave the others waiting); the debug mode
+    (:mod:`xla_permute.debug`) checks the arguments. An empty ``x`` gives the empty result
+    without a collective.
     """
     check_xla_tensor(x)
     _check_wrap(wrap)
@@ -181,5 +188,6 @@ def stage_shift(
 
     checked_groups = check_groups(groups, xr.world_size())
     ring = resolve_wrap(wrap, xr.device_type())
+    offset = check_offset(offset, len(checked_groups[0]))
     pairs = shift_pairs(len(checked_groups[0]), offset, wrap=ring)
     return collective_permute(x, pairs, groups=checked_groups, backend=chosen)

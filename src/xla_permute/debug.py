@@ -1,0 +1,259 @@
+"""Debug mode: before a collective, check that every rank passes the same arguments.
+
+XLA does not check that the ranks of a collective agree: a rank that passes a longer tensor,
+another dtype or other pairs makes the others read garbage or wait forever. In debug mode
+(``XLA_PERMUTE_DEBUG=1`` in the environment, or ``with xla_permute.debug_mode():`` on a rank)
+every collective of this package first all-gathers a small signature of its arguments (the op,
+every tensor's shape and dtype, the pairs, groups, backend and options) and compares them on
+the host. If two ranks differ, every rank raises :class:`DisagreementError`, naming the ranks
+and what differs::
+
+    collective_permute: the ranks disagree on x.shape: rank 1 passes (3,), ranks 0, 2, 3 pass (2,)
+
+This is PyTorch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for this package. Its cost is one small
+all-gather per checked op, executed at once (the bench measures the ratio). The check runs in
+a program of its own, on a fresh collective token, so it is never part of the traced program;
+inside :func:`xla_permute.hlo.tracing` (traced, never run) it is skipped. Only the forward of an
+op is checked: its backward follows from it.
+
+The signature has a fixed length for a given world size (the all-gather itself must agree):
+``FIELDS`` fields of ``2 + payload`` int64 values each. Strings are CRC-32 codes (``zlib``,
+deterministic across processes), integer tuples travel raw, so the message can show them.
+
+>>> rows = [signature("op", {"x.shape": s}, world_size=2) for s in [(2, 3), (3, 3)]]
+>>> len(rows[0]) == signature_length(2)
+True
+>>> describe_disagreement("op", rows)
+'op: the ranks disagree on x.shape: rank 0 passes (2, 3), rank 1 passes (3, 3)'
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import zlib
+from collections import Counter
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+__all__ = [
+    "ENV",
+    "DisagreementError",
+    "check_agreement",
+    "debug_mode",
+    "describe_disagreement",
+    "enabled",
+    "signature",
+    "signature_length",
+]
+
+#: The environment variable that turns the debug mode on for every rank ("1") or off ("0").
+ENV = "XLA_PERMUTE_DEBUG"
+_ON = {"1", "true", "on", "yes", "detail"}
+_OFF = {"", "0", "false", "off", "no"}
+#: Fields per signature, and the channel id of the check's all-gather (a program of its own).
+FIELDS = 12
+_CHANNEL = 1
+_MAGIC = 0x5850  # "XP"
+_NONE, _INT, _BOOL, _INTS, _PAIRS, _GROUPS, _TEXT = range(7)
+
+_local = threading.local()  # per rank: the ranks of the CPU mesh are threads of one process
+_names: dict[int, str] = {}  # CRC-32 -> text, for the message (the mesh is one process)
+
+
+class DisagreementError(ValueError):
+    """The ranks passed different arguments to one collective (raised on every rank)."""
+
+
+def enabled() -> bool:
+    """True when the debug mode is on for this rank: :func:`debug_mode`, else ``ENV``."""
+    override = getattr(_local, "enabled", None)
+    if override is not None:
+        return override
+    value = os.environ.get(ENV, "").strip().lower()
+    if value in _OFF:
+        return False
+    if value in _ON:
+        return True
+    raise ValueError(f"{ENV}={os.environ[ENV]!r}: set it to 1 (debug mode on) or 0 (off)")
+
+
+@contextmanager
+def debug_mode(enabled: bool = True) -> Iterator[None]:
+    """Turn the debug mode on (or, ``enabled=False``, off) for the collectives in the block.
+
+    Call it on the rank (inside the function given to :func:`xla_permute.run_on_mesh`), on
+    every rank alike; it holds for this rank's thread and overrides ``XLA_PERMUTE_DEBUG``.
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be True or False, got {enabled!r}")
+    previous = getattr(_local, "enabled", None)
+    _local.enabled = enabled
+    try:
+        yield
+    finally:
+        _local.enabled = previous
+
+
+def _crc(text: str) -> int:
+    code = zlib.crc32(text.encode())
+    _names.setdefault(code, text)
+    return code
+
+
+def signature_length(world_size: int) -> int:
+    """Int64 values per signature: a header and ``FIELDS`` fields of ``2 + payload``."""
+    return 2 + FIELDS * (2 + _payload(world_size))
+
+
+def _payload(world_size: int) -> int:
+    return max(2 * world_size, 10)
+
+
+def _encode(value: Any, size: int) -> tuple[int, list[int]]:
+    """(kind, payload) of one field value; long or unusual values travel as a CRC-32."""
+    if value is None:
+        return _NONE, []
+    if isinstance(value, bool):
+        return _BOOL, [int(value)]
+    if isinstance(value, int):
+        return _INT, [value]
+    if isinstance(value, str):
+        return _TEXT, [_crc(value)]
+    if isinstance(value, Sequence) and all(isinstance(v, int) for v in value):
+        ints = [int(v) for v in value]
+        if len(ints) + 1 <= size:
+            return _INTS, [len(ints), *ints]
+    if isinstance(value, Sequence) and all(isinstance(p, Sequence) for p in value):
+        flat = [int(v) for p in value for v in p]
+        if all(len(p) == 2 for p in value) and len(flat) + 1 <= size:
+            return _PAIRS, [len(value), *flat]
+        if value and len({len(g) for g in value}) == 1 and len(flat) + 1 <= size:
+            return _GROUPS, [len(value), *flat]
+    return _TEXT, [_crc(repr(value))]
+
+
+def _decode(kind: int, payload: Sequence[int]) -> str:
+    if kind == _NONE:
+        return "None"
+    if kind == _BOOL:
+        return str(bool(payload[0]))
+    if kind == _INT:
+        return str(payload[0])
+    if kind == _TEXT:
+        return _names.get(payload[0], f"<crc32 {payload[0]:#010x}>")
+    count, flat = payload[0], list(payload[1:])
+    if kind == _INTS:
+        return str(tuple(flat[:count]))
+    width = 2 if kind == _PAIRS else (len([v for v in flat if v >= 0]) // count if count else 0)
+    return str(tuple(tuple(flat[i * width : (i + 1) * width]) for i in range(count)))
+
+
+def signature(op: str, fields: Mapping[str, Any], *, world_size: int) -> list[int]:
+    """The fixed-length int signature of one call: ``op`` and up to ``FIELDS`` named values."""
+    if len(fields) > FIELDS:
+        raise ValueError(f"at most {FIELDS} fields per signature, got {len(fields)}")
+    size = _payload(world_size)
+    out = [_MAGIC, _crc(op)]
+    for name, value in fields.items():
+        kind, payload = _encode(value, size)
+        out += [_crc(name), kind, *payload, *[-1] * (size - len(payload))]
+    for _ in range(FIELDS - len(fields)):
+        out += [0, _NONE, *[-1] * size]
+    return out
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def describe_disagreement(op: str, rows: Sequence[Sequence[int]]) -> str | None:
+    """None if every rank's signature (``rows[r]``) is the same, else what differs, by rank."""
+    rows = [tuple(int(v) for v in row) for row in rows]
+    if len(set(rows)) <= 1:
+        return None
+    width = (len(rows[0]) - 2) // FIELDS
+    differences = []
+
+    def by_value(values: list[Any], show: Any, verbs: tuple[str, str] = ("passes", "pass")) -> str:
+        groups: dict[Any, list[int]] = {}
+        for r, v in enumerate(values):
+            groups.setdefault(v, []).append(r)
+        order = sorted(groups.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
+        parts = [f"{_ranks(ranks)} {verbs[len(ranks) > 1]} {show(v)}" for v, ranks in order]
+        return ", ".join(parts)
+
+    ops = [row[1] for row in rows]
+    if len(set(ops)) > 1:
+        text = by_value(ops, lambda c: _names.get(c, f"<crc32 {c:#010x}>"), ("calls", "call"))
+        return f"the ranks call different collectives: {text}"
+    for i in range(FIELDS):
+        start = 2 + i * width
+        fields = [row[start : start + width] for row in rows]
+        if len(set(fields)) <= 1:
+            continue
+        names = Counter(f[0] for f in fields)
+        name = _names.get(names.most_common(1)[0][0], f"field {i}")
+        differences.append(f"{name}: " + by_value(fields, lambda f: _decode(f[1], f[2:])))
+    return f"{op}: the ranks disagree on " + "; ".join(differences)
+
+
+def check_agreement(op: str, fields: Mapping[str, Any], *, error: Exception | None = None) -> None:
+    """In debug mode, raise :class:`DisagreementError` on every rank unless all ranks agree.
+
+    ``fields``: what every rank must pass alike (shapes as tuples, dtypes as ``str(dtype)``,
+    checked pairs and groups, the backend, options). Call it after the argument checks and
+    before the first collective (and before any shortcut that skips the collective, such as an
+    empty tensor). Outside debug mode, or inside :func:`xla_permute.hlo.tracing`, it does
+    nothing.
+
+    ``error``: a check that failed on this rank alone (a tensor on another rank's device):
+    this rank joins the check, then raises ``error``; the other ranks raise
+    :class:`DisagreementError` instead of waiting for it in the collective.
+    """
+    if not enabled():
+        if error is not None:
+            raise error
+        return
+    from xla_permute.hlo import is_tracing
+
+    if is_tracing():
+        if error is not None:
+            raise error
+        return
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    world_size = xr.world_size()
+    device = torch_xla.device()
+    failed = None if error is None else f"{type(error).__name__} (see that rank's error)"
+    row = signature(op, {**fields, "error": failed}, world_size=world_size)
+    # A program of its own on a fresh token: the check neither joins the caller's pending
+    # collectives (executing them here could run what must only be traced) nor joins them.
+    context = xm._get_device_context().device
+    token = torch_xla._XLAC._get_all_reduce_token(context)
+    torch_xla._XLAC._set_all_reduce_token(context, None)
+    try:
+        mine = torch.tensor([row], dtype=torch.int64).to(device)
+        gathered = xm.all_gather(
+            mine,
+            dim=0,
+            groups=[list(range(world_size))],
+            pin_layout=False,
+            channel_id=_CHANNEL,
+            use_global_device_ids=True,
+        ).cpu()
+    finally:
+        torch_xla._XLAC._set_all_reduce_token(context, token)
+    message = describe_disagreement(op, gathered.tolist())
+    if error is not None:
+        raise error
+    if message is not None:
+        rank = xr.global_ordinal()
+        raise DisagreementError(
+            f"{message} (xla_permute debug mode, on rank {rank} of {world_size}: every rank "
+            f"must pass the same to each collective, in the same order)"
+        )
