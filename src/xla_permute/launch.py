@@ -53,7 +53,10 @@ _MISMATCH_HINT = (
     "The likely cause is a collective rendezvous that could not complete: the ranks issued "
     "mismatched collectives (a rank skipped one or issued them in another order, with "
     "different shapes, groups or channel ids), or XLA_THREAD_POOL_SIZE is smaller than the "
-    "device count."
+    "device count. Run with XLA_PERMUTE_DEBUG=1 to check, before every collective of "
+    "xla_permute, that the ranks agree. In a step loop, keep the step's results alive until "
+    "after torch_xla.sync() (or sync before deleting them), so that every rank executes the "
+    "same programs."
 )
 
 #: Variables that the mesh sets itself; ``env`` may not contradict them.

@@ -63,6 +63,13 @@ def run_from_args(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        print(
+            f"bench: --json {args.json}: the directory {Path(args.json).parent} does not exist; "
+            f"create it first",
+            file=sys.stderr,
+        )
+        return 2
     print_progress(f"config {asdict(config)}")
     result = run_bench(config)
     print(format_report(result))

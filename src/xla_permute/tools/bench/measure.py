@@ -97,7 +97,33 @@ def emulated_runs(programs: Sequence[BenchProgram], cfg: dict[str, int]) -> dict
         for p in programs
         if p.method != "baseline" and f"{p.op}/baseline" in outputs
     }
-    return {"run_s": times, "same_as_baseline": same}
+    return {"run_s": times, "same_as_baseline": same, "debug_s": debug_cost(cfg)}
+
+
+def debug_cost(cfg: dict[str, int]) -> dict[str, list[float]]:
+    """Every rank: a permute ring of one x block, call to result, debug mode off and on."""
+    import torch
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    import xla_permute as xp
+
+    device = torch_xla.device()
+    x = torch.ones(cfg["m"], cfg["k"], device=device)
+    ring = xp.ring_pairs(xr.world_size())
+    times: dict[str, list[float]] = {"off": [], "on": []}
+    for i in range(cfg["warmup"] + cfg["repeats"]):
+        for mode in ("off", "on"):
+            t0 = time.perf_counter()
+            with xp.debug_mode(mode == "on"):
+                y = xp.collective_permute(x, ring, backend="emulated")
+            torch_xla.sync()
+            xm.wait_device_ops(xm.xla_real_devices([device]))
+            if i >= cfg["warmup"]:
+                times[mode].append(time.perf_counter() - t0)
+            del y
+    return times
 
 
 def bench_rank(

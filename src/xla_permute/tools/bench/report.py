@@ -118,6 +118,13 @@ def format_report(result: dict[str, Any]) -> str:
         "| trace+compile vs baseline | run ms (emulated) | run vs baseline |",
         "|---|---|---|---|---|---|---|",
     ]
+    if "debug_mode_ratio" in result:
+        lines[1:1] = [
+            "",
+            f"Debug mode (XLA_PERMUTE_DEBUG=1) cost: a permute ring of one x block takes "
+            f"{result['debug_mode_ratio']:.2f}x its time without the check (emulated, slowest "
+            f"rank).",
+        ]
     for r in result["programs"]:
         rr = against["n"].get(r["name"], {})
         lines.append(

@@ -168,7 +168,11 @@ def run_bench(
                     "bytes_total": account(p, scaling_raw["hlo"][p.name], config.scaling_n).total,
                 }
             )
+    # The debug mode's cost: a permute ring with the check over one without, slowest rank.
+    debug_on = max(_median(r["debug_s"]["on"]) for r in main)
+    debug_off = max(_median(r["debug_s"]["off"]) for r in main)
     result = {
+        "debug_mode_ratio": debug_on / debug_off,
         "config": cfg,
         "environment": _environment(),
         "backends": dict(BACKENDS),
