@@ -1,28 +1,35 @@
-"""Differentiable all-gather and reduce-scatter over all ranks, with channel ids.
+"""Differentiable all-gather and reduce-scatter over all ranks or within groups, with channel ids.
 
 These are the upstream collectives (``xm.all_gather``, ``xm.reduce_scatter``) called the way
 that runs on every backend, the CPU mesh included (``pin_layout=False``, a channel id,
 ``use_global_device_ids=True``), with autograd: the backward of an all-gather is a
 reduce-scatter of the gradient and vice versa. They build the baselines that collective matmul
-is compared with.
+is compared with. ``groups``: replica groups of equal size
+(:func:`~xla_permute.pairs.check_groups`); a group gathers (and scatters) in the order it lists
+its ranks. ``None``: one group of all ranks.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
 __all__ = ["all_gather", "reduce_scatter", "sum_gradients"]
 
+Groups = Sequence[Sequence[int]] | None
 
-def _world() -> list[list[int]]:
+
+def _groups(groups: Groups) -> list[list[int]]:
     import torch_xla.runtime as xr
 
-    return [list(range(xr.world_size()))]
+    from xla_permute.pairs import check_groups
+
+    return [list(g) for g in check_groups(groups, xr.world_size())]
 
 
-def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _all_gather(x: torch.Tensor, dim: int, groups: list[list[int]]) -> torch.Tensor:
     import torch_xla.core.xla_model as xm
 
     from xla_permute.channels import next_channel_id
@@ -30,19 +37,18 @@ def _all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
     return xm.all_gather(
         x,
         dim=dim,
-        groups=_world(),
+        groups=groups,
         pin_layout=False,
         channel_id=next_channel_id(),
         use_global_device_ids=True,
     )
 
 
-def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _reduce_scatter(x: torch.Tensor, dim: int, groups: list[list[int]]) -> torch.Tensor:
     import torch_xla.core.xla_model as xm
 
     from xla_permute.channels import next_channel_id
 
-    groups = _world()
     return xm.reduce_scatter(
         xm.REDUCE_SUM,
         x,
@@ -58,58 +64,89 @@ def _reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
 
 class _AllGather(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
-        ctx.dim = dim
-        return _all_gather(x, dim)
+    def forward(ctx: Any, x: torch.Tensor, dim: int, groups: list[list[int]]) -> torch.Tensor:
+        ctx.dim, ctx.groups = dim, groups
+        return _all_gather(x, dim, groups)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _ReduceScatter.apply(grad.contiguous(), ctx.dim), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _ReduceScatter.apply(grad.contiguous(), ctx.dim, ctx.groups), None, None
 
 
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, dim: int) -> torch.Tensor:
-        ctx.dim = dim
-        return _reduce_scatter(x, dim)
+    def forward(ctx: Any, x: torch.Tensor, dim: int, groups: list[list[int]]) -> torch.Tensor:
+        ctx.dim, ctx.groups = dim, groups
+        return _reduce_scatter(x, dim, groups)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-        return _AllGather.apply(grad.contiguous(), ctx.dim), None
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        return _AllGather.apply(grad.contiguous(), ctx.dim, ctx.groups), None, None
 
 
-def all_gather(x: torch.Tensor, dim: int) -> torch.Tensor:
+def _dim(x: object, dim: object, op: str) -> int:
+    from xla_permute.permute import check_xla_tensor
+
+    x = check_xla_tensor(x, "x")
+    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"{op}: dim={dim!r} is not a dimension of x with shape {tuple(x.shape)}")
+    return dim % x.dim()
+
+
+def all_gather(x: torch.Tensor, dim: int, *, groups: Groups = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; backward: reduce-scatter of the gradient.
 
-    Per rank: ``[..., m, ...] -> [..., N*m, ...]`` (``m`` at ``dim``).
+    Per rank: ``[..., m, ...] -> [..., N*m, ...]`` (``m`` at ``dim``, ``N`` the group size;
+    block ``j`` is the ``j``-th rank of the group). An empty x gives the empty result without a
+    collective.
     """
-    return _AllGather.apply(x, dim % x.dim())
+    dim = _dim(x, dim, "all_gather")
+    checked = _groups(groups)
+    if x.numel() == 0:
+        return torch.cat([x] * len(checked[0]), dim)
+    return _AllGather.apply(x, dim, checked)
 
 
-def reduce_scatter(x: torch.Tensor, dim: int) -> torch.Tensor:
-    """Sum ``x`` over ranks and keep this rank's block along ``dim``; backward: all-gather.
+def reduce_scatter(x: torch.Tensor, dim: int, *, groups: Groups = None) -> torch.Tensor:
+    """Sum ``x`` over the group and keep this rank's block along ``dim``; backward: all-gather.
 
-    Per rank: ``[..., N*m, ...] -> [..., m, ...]``; ``x.shape[dim]`` must divide by N.
+    Per rank: ``[..., N*m, ...] -> [..., m, ...]``; ``x.shape[dim]`` must divide by the group
+    size N; the ``j``-th rank of a group gets block ``j``. An empty x gives the empty result
+    without a collective.
     """
-    return _ReduceScatter.apply(x, dim % x.dim())
+    dim = _dim(x, dim, "reduce_scatter")
+    checked = _groups(groups)
+    n = len(checked[0])
+    if x.shape[dim] % n:
+        raise ValueError(
+            f"reduce_scatter: x.shape[{dim}] = {x.shape[dim]} is not divisible by the {n} ranks "
+            f"of the group; pad it to a multiple of {n}"
+        )
+    if x.numel() == 0:
+        import torch_xla.runtime as xr
+
+        position = next(g for g in checked if xr.global_ordinal() in g).index(xr.global_ordinal())
+        return x.narrow(dim, position * (x.shape[dim] // n), x.shape[dim] // n)
+    return _ReduceScatter.apply(x, dim, checked)
 
 
 class _SumGradients(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, groups: list[list[int]]) -> torch.Tensor:
+        ctx.groups = groups
         return x.view_as(x)
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
-        return _all_gather(grad.unsqueeze(0).contiguous(), 0).sum(0)
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
+        return _all_gather(grad.unsqueeze(0).contiguous(), 0, ctx.groups).sum(0), None
 
 
-def sum_gradients(x: torch.Tensor) -> torch.Tensor:
+def sum_gradients(x: torch.Tensor, *, groups: Groups = None) -> torch.Tensor:
     """Identity forward; backward sums the gradient over ranks.
 
     For a parameter held whole on every rank but used on a shard of the data (the bias of a
     sequence-parallel row-parallel layer): each rank's gradient covers its own rows only, and
-    the true gradient is their sum. (An all-reduce, built from a channel-id all-gather so that
-    it runs on the CPU mesh too.)
+    the true gradient is their sum over the group. (An all-reduce, built from a channel-id
+    all-gather so that it runs on the CPU mesh too.)
     """
-    return _SumGradients.apply(x)
+    return _SumGradients.apply(x, _groups(groups))

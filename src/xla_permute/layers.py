@@ -17,6 +17,17 @@ Per-rank shapes, N ranks, sequence dimension ``dim`` (default 1 of ``[batch, seq
   summed over ranks, see :func:`~xla_permute.collectives.sum_gradients`).
 * :class:`SequenceParallelMLP`: column-parallel, activation, row-parallel;
   ``[B, S/N, H] -> [B, S/N, H]``.
+* :class:`GatedMLP`: ``down(activation(gate(x), up(x)))`` with gate and up sharing one
+  all-gather ring (x travels once): SwiGLU (:func:`swiglu`) or the PoC's :func:`relu_product`.
+
+``strategy`` (every layer): ``"ring"`` (collective matmul, the default), ``"baseline"``
+(blocking upstream collective, then matmul), ``"xla"`` (the baseline's collectives, issued in
+the form the TPU compiler's own collective matmul rewrites: channel id, ``pin_layout=False``,
+global device ids; set the environment of :func:`xla_permute.hardware.tpu_collective_matmul_setup`
+before the runtime starts) or ``"auto"`` (the faster of ring and baseline by
+:func:`xla_permute.cost.choose_strategy` for the detected chip and shape; ring off TPU/Neuron).
+``groups``: tensor parallelism within each replica group (a ring in the group's order);
+``world_size`` is then the group size. Empty inputs give empty outputs without a collective.
 
 Backward: through the collective matmuls' own backward (see :mod:`xla_permute.matmul`).
 """
@@ -24,7 +35,7 @@ Backward: through the collective matmuls' own backward (see :mod:`xla_permute.ma
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -37,20 +48,75 @@ from xla_permute.matmul import (
     all_gather_then_matmul,
     matmul_reduce_scatter,
     matmul_then_reduce_scatter,
+    ring_of,
 )
+from xla_permute.permute import BACKENDS
 
-__all__ = ["ColumnParallelLinear", "RowParallelLinear", "SequenceParallelMLP"]
+__all__ = [
+    "STRATEGIES",
+    "ColumnParallelLinear",
+    "GatedMLP",
+    "RowParallelLinear",
+    "SequenceParallelMLP",
+    "relu_product",
+    "swiglu",
+]
+
+STRATEGIES = ("ring", "baseline", "xla", "auto")
+Groups = Sequence[Sequence[int]] | None
 
 
-def _world(world_size: int | None, rank: int | None) -> tuple[int, int]:
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: ``silu(a) * b`` (a from the gate projection, b from the up one)."""
+    return nn.functional.silu(a) * b
+
+
+def relu_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The upstream PoC's gate: ``relu(a * b)``."""
+    return torch.relu(a * b)
+
+
+def _count(value: object, name: str, minimum: int = 1) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
+    if value < minimum:
+        raise ValueError(f"{name} must be >= {minimum}, got {value}")
+    return value
+
+
+def _world(world_size: object, rank: object, groups: Groups) -> tuple[int, int]:
+    """The group size and this rank's position in it: given, or asked from a running mesh."""
+    if world_size is not None:
+        world_size = _count(world_size, "world_size")
+    if rank is not None:
+        rank = _count(rank, "rank", 0)
     if world_size is None or rank is None:
-        import torch_xla.runtime as xr
+        import torch_xla
 
-        world_size = xr.world_size() if world_size is None else world_size
-        rank = xr.global_ordinal() if rank is None else rank
+        if not torch_xla._XLAC._xla_runtime_is_initialized():
+            raise RuntimeError(
+                "a parallel layer built outside a mesh rank needs world_size= and rank= (the "
+                "group size and this rank's position); asking the XLA runtime would start it "
+                "here and break a later run_on_mesh. Build the layer inside the rank function, "
+                "or pass both"
+            )
+        size, position, _ = ring_of(groups)
+        world_size = size if world_size is None else world_size
+        rank = position if rank is None else rank
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside the world of {world_size} ranks")
     return world_size, rank
+
+
+def _strategy(strategy: str | None, collective_matmul: bool | None) -> str:
+    if collective_matmul is not None:
+        if strategy is not None:
+            raise ValueError("pass strategy= or the older collective_matmul=, not both")
+        return "ring" if collective_matmul else "baseline"
+    strategy = "ring" if strategy is None else strategy
+    if strategy not in STRATEGIES:
+        raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
+    return strategy
 
 
 def _shard(size: int, world_size: int, what: str) -> int:
@@ -77,14 +143,28 @@ class _ParallelLinear(nn.Module):
         *,
         bias: bool = True,
         dim: int = 1,
-        collective_matmul: bool = True,
+        strategy: str | None = None,
         bidirectional: bool = False,
+        groups: Groups = None,
+        backend: str = "auto",
         world_size: int | None = None,
         rank: int | None = None,
         generator: torch.Generator | None = None,
+        dtype: torch.dtype | None = None,
+        device: torch.device | str | None = None,
+        collective_matmul: bool | None = None,
     ) -> None:
         super().__init__()
-        world_size, rank = _world(world_size, rank)
+        in_features = _count(in_features, "in_features")
+        out_features = _count(out_features, "out_features")
+        if backend not in BACKENDS:
+            raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+        if isinstance(dim, bool) or not isinstance(dim, int):
+            raise TypeError(f"dim must be an int, got {dim!r}")
+        self.strategy = _strategy(strategy, collective_matmul)
+        self.groups = None if groups is None else [list(g) for g in groups]
+        self.backend = backend
+        world_size, rank = _world(world_size, rank, self.groups)
         if self._sharded == "out":
             out_local = _shard(out_features, world_size, "out_features")
             shape, bias_features = (out_local, in_features), out_local
@@ -93,10 +173,44 @@ class _ParallelLinear(nn.Module):
             shape, bias_features = (out_features, in_local), out_features
         self.in_features, self.out_features = in_features, out_features
         self.dim, self.world_size, self.rank = dim, world_size, rank
-        self.collective_matmul, self.bidirectional = collective_matmul, bidirectional
-        self.weight = nn.Parameter(torch.empty(shape))
-        self.bias = nn.Parameter(torch.empty(bias_features)) if bias else None
-        self.reset_parameters(generator)
+        self.bidirectional = bool(bidirectional)
+        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(bias_features, dtype=dtype)) if bias else None
+        self.reset_parameters(generator)  # on the CPU (a CPU generator), then moved
+        if device is not None:
+            self.to(device)
+
+    @property
+    def collective_matmul(self) -> bool:
+        """The older flag: ``strategy == "ring"``."""
+        return self.strategy == "ring"
+
+    def _method(self, x: torch.Tensor) -> str:
+        """Check x against this layer (device, mesh) and pick ``"ring"`` or ``"baseline"``."""
+        name = type(self).__name__
+        if isinstance(x, torch.Tensor) and x.device != self.weight.device:
+            raise ValueError(
+                f"{name}.weight is on {self.weight.device} but the input is on {x.device}; "
+                f"move the module first with .to(x.device)"
+            )
+        size, position, _ = ring_of(self.groups)
+        if (size, position) != (self.world_size, self.rank):
+            raise ValueError(
+                f"{name} was built for rank {self.rank} of {self.world_size} but runs on rank "
+                f"{position} of a group of {size}; build it inside the rank function (or pass "
+                f"the right world_size=, rank=, groups=)"
+            )
+        if self.strategy != "auto":
+            return "ring" if self.strategy == "ring" else "baseline"
+        from xla_permute.cost import choose_strategy
+
+        op = "all_gather_matmul" if self._sharded == "out" else "matmul_reduce_scatter"
+        local = x.shape[self.dim] // (1 if self._sharded == "out" else size)
+        rows = x.numel() // max(x.shape[-1], 1) // max(x.shape[self.dim], 1) * local
+        return choose_strategy(
+            op, m=rows, k=self.weight.shape[1], n=self.weight.shape[0], n_devices=size,
+            dtype_bytes=x.element_size(), bidirectional=self.bidirectional,
+        )  # fmt: skip
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """``nn.Linear``'s initialisation (uniform in +-1/sqrt(in_features) of the full layer).
@@ -128,8 +242,8 @@ class _ParallelLinear(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"weight={tuple(self.weight.shape)}, rank={self.rank}/{self.world_size}, "
-            f"dim={self.dim}, collective_matmul={self.collective_matmul}, "
-            f"bidirectional={self.bidirectional}"
+            f"dim={self.dim}, strategy={self.strategy!r}, bidirectional={self.bidirectional}"
+            + ("" if self.groups is None else f", groups={self.groups}")
         )
 
 
@@ -144,12 +258,22 @@ class ColumnParallelLinear(_ParallelLinear):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``AllGather(x, dim) @ W_r.T + b_r``: ``[..., S/N, K] -> [..., S, F/N]``."""
-        w = self.weight.T
-        if self.collective_matmul:
-            y = all_gather_matmul(x, w, dim=self.dim, bidirectional=self.bidirectional)
-        else:
-            y = all_gather_then_matmul(x, w, dim=self.dim)
-        return y if self.bias is None else y + self.bias
+        y = _column([self], x)[0]
+        return y
+
+
+def _column(layers: Sequence[ColumnParallelLinear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Column-parallel layers of one shape and setting on one input: one ring for all."""
+    first = layers[0]
+    ws = [layer.weight.T for layer in layers]
+    kw = dict(dim=first.dim, groups=first.groups)
+    if first._method(x) == "ring":
+        ys = all_gather_matmul(
+            x, ws, bidirectional=first.bidirectional, backend=first.backend, **kw
+        )
+    else:
+        ys = all_gather_then_matmul(x, ws, **kw)
+    return tuple(y if c.bias is None else y + c.bias for y, c in zip(ys, layers, strict=True))
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -164,12 +288,17 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``ReduceScatter(x @ W_r.T, dim) + b``: ``[..., S, K/N] -> [..., S/N, F]``."""
         w = self.weight.T
-        if self.collective_matmul:
-            y = matmul_reduce_scatter(x, w, dim=self.dim, bidirectional=self.bidirectional)
+        kw = dict(dim=self.dim, groups=self.groups)
+        if self._method(x) == "ring":
+            y = matmul_reduce_scatter(
+                x, w, bidirectional=self.bidirectional, backend=self.backend, **kw
+            )
         else:
-            y = matmul_then_reduce_scatter(x, w, dim=self.dim)
+            y = matmul_then_reduce_scatter(x, w, **kw)
+        if self.bias is None or y.numel() == 0:
+            return y if self.bias is None else y + self.bias
         # The bias is whole on every rank but each rank adds it to its own rows only.
-        return y if self.bias is None else y + sum_gradients(self.bias)
+        return y + sum_gradients(self.bias, groups=self.groups)
 
 
 class SequenceParallelMLP(nn.Module):
@@ -206,3 +335,52 @@ class SequenceParallelMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``fc2(activation(fc1(x)))``: ``[..., S/N, H] -> [..., S/N, H]``."""
         return self.fc2(self.activation(self.fc1(x)))
+
+
+class GatedMLP(nn.Module):
+    """Gated transformer MLP, sequence parallel: ``[B, S/N, H] -> [B, S/N, H]``.
+
+    ``y = down(activation(gate(x), up(x)))``: gate and up are column-parallel and share one
+    all-gather ring (x travels once, :func:`~xla_permute.matmul.all_gather_matmul` with two
+    weights), the activation acts on this rank's ``ffn/N`` columns of both, down is
+    row-parallel. ``activation(a, b)``: :func:`swiglu` (``silu(a) * b``, the default) or
+    :func:`relu_product` (``relu(a * b)``, the upstream PoC's).
+    """
+
+    def __init__(
+        self,
+        gate: ColumnParallelLinear,
+        up: ColumnParallelLinear,
+        down: RowParallelLinear,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
+    ) -> None:
+        super().__init__()
+        same = ("in_features", "out_features", "dim", "strategy", "bidirectional", "groups",
+                "backend", "world_size", "rank")  # fmt: skip
+        differ = [a for a in same if getattr(gate, a) != getattr(up, a)]
+        if differ:
+            raise ValueError(f"GatedMLP: gate and up must agree on {differ} to share a ring")
+        self.gate, self.up, self.down, self.activation = gate, up, down, activation
+
+    @classmethod
+    def from_mlp(
+        cls,
+        gate: nn.Linear,
+        up: nn.Linear,
+        down: nn.Linear,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
+        **kwargs: Any,
+    ) -> GatedMLP:
+        """This rank's shard of ``down(activation(gate(x), up(x)))`` on one device (each
+        weight sharded on its own: rank r holds rows ``r*ffn/N ...`` of gate and of up)."""
+        return cls(
+            ColumnParallelLinear.from_linear(gate, **kwargs),
+            ColumnParallelLinear.from_linear(up, **kwargs),
+            RowParallelLinear.from_linear(down, **kwargs),
+            activation,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(activation(gate(x), up(x)))``: ``[..., S/N, H] -> [..., S/N, H]``."""
+        a, b = _column([self.gate, self.up], x)
+        return self.down(self.activation(a, b))

@@ -6,23 +6,33 @@ CollectivePermutes lets every step's matmul run while the next block is in fligh
 ASPLOS 2023; JAX shard_map collective matmul; PyTorch async TP). The schedules are in
 :mod:`xla_permute.schedule`.
 
-Per-rank shapes (``N`` ranks, ``dim`` the sharded dimension of x, never its last):
+Per-rank shapes (``N`` ranks of the group, ``dim`` the sharded dimension of x, never its last):
 
 * :func:`all_gather_matmul`: ``x [..., m, K]`` and ``w [K, F]`` -> ``[..., N*m, F]``;
-  ``y = AllGather(x, dim) @ w``. Backward: ``dx = ReduceScatter(dy @ w.T, dim)`` (a
-  matmul-reduce-scatter) and ``dw = AllGather(x, dim).T @ dy`` with x streamed around the ring
-  again, so the gathered x is never held.
+  ``y = AllGather(x, dim) @ w``. Several weights ``[w1, w2, ...]`` share one ring (x travels
+  once) and give one result each (fused gate/up or QKV). Backward: ``dx = ReduceScatter(sum_i
+  dy_i @ w_i.T, dim)`` (one matmul-reduce-scatter ring) and ``dw_i = AllGather(x, dim).T @
+  dy_i`` with x streamed around the ring again, so the gathered x is never held.
 * :func:`matmul_reduce_scatter`: ``x [..., N*m, K]`` and ``w [K, F]`` -> ``[..., m, F]``;
   ``y = ReduceScatter(x @ w, dim)`` (sum). Backward: ``dx = AllGather(dy, dim) @ w.T`` (an
   all-gather-matmul) and ``dw = x.T @ AllGather(dy, dim)`` with dy streamed around the ring.
 
-Half-precision (bfloat16, float16) partial sums are accumulated in float32 and rounded once.
-The world is all ranks (no groups). With one rank both are a plain ``x @ w``.
+``groups``: replica groups of equal size (:func:`~xla_permute.pairs.check_groups`); each group
+is its own ring, visited in the order the group lists its ranks (block ``j`` is the shard of
+the group's ``j``-th rank), as ``xm.all_gather`` orders a group. ``None``: one group of all
+ranks. A group of one rank is a plain ``x @ w``.
+
+Memory: every product is written into its place of a preallocated output (``index_copy``) as
+soon as it is made, instead of one concatenate at the end that keeps all N products alive; a
+rank holds its own x, the block it works on and the block in flight: the ring's floor.
+Empty inputs (0 rows, ``K = 0``, ``F = 0``) give the empty (or zero) result without a
+collective.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -37,21 +47,64 @@ __all__ = [
     "all_gather_then_matmul",
     "matmul_reduce_scatter",
     "matmul_then_reduce_scatter",
+    "partial_sum_dtype",
 ]
 
 _HALF = (torch.bfloat16, torch.float16)
+Groups = Sequence[Sequence[int]] | None
+Weights = torch.Tensor | Sequence[torch.Tensor]
 
 
-def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float32 if dtype in _HALF else dtype
+def partial_sum_dtype(dtype: torch.dtype, reduce_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype of the partial sums a reduce-scatter sends (and accumulates in).
+
+    ``reduce_dtype`` if given, else float32 for half-precision inputs and ``dtype`` otherwise.
+    The bench's byte accounting and the cost model use this same rule.
+
+    >>> partial_sum_dtype(torch.bfloat16), partial_sum_dtype(torch.bfloat16, torch.bfloat16)
+    (torch.float32, torch.bfloat16)
+    """
+    if reduce_dtype is None:
+        return torch.float32 if dtype in _HALF else dtype
+    if not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point:
+        raise TypeError(
+            f"reduce_dtype must be a floating torch.dtype such as torch.float32 or the input's "
+            f"dtype, or None; got {reduce_dtype!r}"
+        )
+    return reduce_dtype
+
+
+@dataclass(frozen=True)
+class _Ring:
+    """This rank's ring: ``size`` ranks, this rank at ``position``, the checked ``groups``."""
+
+    size: int
+    position: int
+    groups: tuple[tuple[int, ...], ...] | None
+    backend: str = "emulated"
+    bidirectional: bool = False
+
+    def permute(self, t: torch.Tensor, direction: int) -> torch.Tensor:
+        pairs = ring_pairs(self.size, direction)
+        return collective_permute(t, pairs, groups=self.groups, backend=self.backend)
+
+
+def ring_of(groups: Groups = None) -> tuple[int, int, tuple[tuple[int, ...], ...] | None]:
+    """``(group size, this rank's position in its group, checked groups)`` on this rank."""
+    import torch_xla.runtime as xr
+
+    from xla_permute.pairs import check_groups
+
+    world, rank = xr.world_size(), xr.global_ordinal()
+    if groups is None:
+        return world, rank, None
+    checked = check_groups(groups, world)
+    group = next(g for g in checked if rank in g)
+    return len(group), group.index(rank), checked
 
 
 def _block(t: torch.Tensor, index: int, n: int, dim: int) -> torch.Tensor:
-    """Block ``index`` of ``n`` equal blocks of ``t`` along ``dim``.
-
-    ``narrow`` lowers to one slice; ``t.chunk(n)`` would lower all n slices again for every
-    block used (n^2 slices in the program).
-    """
+    """Block ``index`` of ``n`` equal blocks of ``t`` along ``dim`` (``narrow``: one slice)."""
     size = t.shape[dim] // n
     return t.narrow(dim, index * size, size)
 
@@ -61,29 +114,35 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
     return t.reshape(-1, t.shape[-1])
 
 
-def _world() -> tuple[int, int]:
-    import torch_xla.runtime as xr
+def _as_weights(w: object, op: str) -> tuple[list[torch.Tensor], bool]:
+    """``(weights, single)``: a tensor, or a non-empty list/tuple of tensors."""
+    if isinstance(w, torch.Tensor):
+        return [w], True
+    if isinstance(w, (list, tuple)) and w:
+        return [check_xla_tensor(t, f"w[{i}]") for i, t in enumerate(w)], False
+    raise TypeError(f"{op}: w must be a tensor [K, F] or a non-empty list of them, got {w!r}")
 
-    return xr.world_size(), xr.global_ordinal()
 
-
-def _check(x: object, w: object, dim: int, op: str, sharded_input: bool) -> int:
+def _check(x: object, ws: list[torch.Tensor], dim: int, op: str, sharded: bool, n: int) -> int:
     """Validate the inputs of ``op`` and return ``dim`` normalised to be non-negative."""
     x = check_xla_tensor(x, "x")
-    w = check_xla_tensor(w, "w")
-    if w.dim() != 2:
-        raise ValueError(f"{op}: w must be 2-D [K, F], got shape {tuple(w.shape)}")
-    if x.dim() < 2:
-        raise ValueError(f"{op}: x must be at least 2-D [..., rows, K], got {tuple(x.shape)}")
-    if x.dtype != w.dtype:
-        raise TypeError(
-            f"{op}: x is {x.dtype} but w is {w.dtype}; cast one of them, e.g. w.to(x.dtype)"
-        )
-    if x.shape[-1] != w.shape[0]:
-        raise ValueError(
-            f"{op}: inner dimensions differ: x.shape[-1] = {x.shape[-1]} but w.shape[0] = "
-            f"{w.shape[0]}; x [..., K] @ w [K, F] needs them equal"
-        )
+    for i, w in enumerate(ws):
+        name = "w" if len(ws) == 1 else f"w[{i}]"
+        w = check_xla_tensor(w, name)
+        if w.dim() != 2:
+            raise ValueError(f"{op}: {name} must be 2-D [K, F], got shape {tuple(w.shape)}")
+        if x.dim() < 2:
+            raise ValueError(f"{op}: x must be at least 2-D [..., rows, K], got {tuple(x.shape)}")
+        if x.dtype != w.dtype:
+            raise TypeError(
+                f"{op}: x is {x.dtype} but {name} is {w.dtype}; cast one of them, e.g. "
+                f"{name}.to(x.dtype)"
+            )
+        if x.shape[-1] != w.shape[0]:
+            raise ValueError(
+                f"{op}: inner dimensions differ: x.shape[-1] = {x.shape[-1]} but {name}.shape[0]"
+                f" = {w.shape[0]}; x [..., K] @ w [K, F] needs them equal"
+            )
     if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
         raise ValueError(f"{op}: dim={dim!r} is not a dimension of x with shape {tuple(x.shape)}")
     dim %= x.dim()
@@ -92,8 +151,7 @@ def _check(x: object, w: object, dim: int, op: str, sharded_input: bool) -> int:
             f"{op}: dim={dim} is the contracted (last) dimension of x; shard a row or sequence "
             f"dimension instead (e.g. dim=0 for [rows, K], dim=1 for [batch, seq, K])"
         )
-    n, _ = _world()
-    if sharded_input and x.shape[dim] % n:
+    if sharded and x.shape[dim] % n:
         raise ValueError(
             f"{op}: x.shape[{dim}] = {x.shape[dim]} is not divisible by the {n} ranks; the "
             f"reduce-scatter gives every rank an equal block, so pad it to a multiple of {n}"
@@ -101,137 +159,158 @@ def _check(x: object, w: object, dim: int, op: str, sharded_input: bool) -> int:
     return dim
 
 
-def _stream(
-    block: torch.Tensor,
-    bidirectional: bool,
-    backend: str,
-    visit: Callable[[int, torch.Tensor], None],
-) -> None:
-    """Pass every rank's ``block`` around the ring; call ``visit(source_rank, block)`` on each.
+def _stream(block: torch.Tensor, ring: _Ring, visit: Callable[[int, torch.Tensor], None]) -> None:
+    """Pass every rank's ``block`` around the ring; call ``visit(source_position, block)`` on each.
 
     The permutes of a step are issued before that step's visits and carry the blocks the visits
     use; no visit depends on a permute of its own step.
     """
-    n, rank = _world()
     held = {1: block, -1: block}
-    for step in all_gather_schedule(n, rank, bidirectional):
-        in_flight = {d: collective_permute(held[d], ring_pairs(n, d), backend=backend)
-                     for d in step.sends}  # fmt: skip
+    for step in all_gather_schedule(ring.size, ring.position, ring.bidirectional):
+        in_flight = {d: ring.permute(held[d], d) for d in step.sends}
         for direction, source in zip((1, -1), step.blocks, strict=False):
             visit(source, held[direction])
         held.update(in_flight)
 
 
 def _ring_all_gather_matmul(
-    x: torch.Tensor, w: torch.Tensor, dim: int, bidirectional: bool, backend: str
-) -> torch.Tensor:
-    products: dict[int, torch.Tensor] = {}
+    x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, ring: _Ring
+) -> list[torch.Tensor]:
+    n, m = ring.size, x.shape[dim]
+    outs = [x.new_zeros(*x.shape[:dim], n * m, *x.shape[dim + 1 : -1], w.shape[1]) for w in ws]
 
     def multiply(source: int, x_block: torch.Tensor) -> None:
-        products[source] = x_block @ w
+        for i, w in enumerate(ws):  # each product goes straight into its place (a scatter:
+            # XLA lowers a slice_scatter chain or a concatenate to one fusion at the end, which
+            # keeps all N products alive)
+            rows = torch.arange(source * m, (source + 1) * m, device=x.device)
+            outs[i] = outs[i].index_copy(dim, rows, x_block @ w)
 
-    _stream(x, bidirectional, backend, multiply)
-    return torch.cat([products[b] for b in sorted(products)], dim=dim)
+    _stream(x, ring, multiply)
+    return outs
 
 
 def _ring_matmul_reduce_scatter(
-    x: torch.Tensor, w: torch.Tensor, dim: int, bidirectional: bool, backend: str
+    x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, ring: _Ring, acc: torch.dtype
 ) -> torch.Tensor:
-    n, rank = _world()
-    acc = _accumulation_dtype(x.dtype)
-    w_acc = w.to(acc)
+    """``ReduceScatter(sum_i x_i @ ws[i])``: with one x, ``x_i = x``; with a list, one each."""
+    xs = x if isinstance(x, (list, tuple)) else [x] * len(ws)
+    n = ring.size
+    w_acc = [w.to(acc) for w in ws]
     received: dict[int, torch.Tensor] = {}
     summed: dict[int, torch.Tensor] = {}
-    for step in reduce_scatter_schedule(n, rank, bidirectional):
+    for step in reduce_scatter_schedule(n, ring.position, ring.bidirectional):
         for direction, block in zip((1, -1), step.blocks, strict=False):
-            partial = _block(x, block, n, dim).to(acc) @ w_acc
+            terms = [_block(xi, block, n, dim).to(acc) @ w for xi, w in zip(xs, w_acc, strict=True)]
+            partial = terms[0]
+            for term in terms[1:]:
+                partial = partial + term
             summed[direction] = received[direction] + partial if direction in received else partial
         for d in step.sends:  # carries this step's sums; overlaps the next step's matmuls
-            received[d] = collective_permute(summed[d], ring_pairs(n, d), backend=backend)
+            received[d] = ring.permute(summed[d], d)
     out = summed[1] + received[-1] if -1 in received else summed[1]
-    return out.to(x.dtype)
+    return out.to(xs[0].dtype)
 
 
 def _stream_weight_grad(
     streamed: torch.Tensor,
-    local: torch.Tensor,
+    locals_: Sequence[torch.Tensor],
     dim: int,
     streamed_is_lhs: bool,
-    bidirectional: bool,
-    backend: str,
+    ring: _Ring,
     out_dtype: torch.dtype,
-) -> torch.Tensor:
-    """``sum_b lhs_b.T @ rhs_b``: one operand streamed round the ring, the other ``local``, whose
-    block ``b`` along ``dim`` pairs with the block that came from rank ``b``."""
-    acc_dtype = _accumulation_dtype(out_dtype)
-    terms: list[torch.Tensor] = []
-    n, _ = _world()
+) -> list[torch.Tensor]:
+    """``sum_b lhs_b.T @ rhs_b`` for each of ``locals_``: one operand streamed round the ring,
+    the other local, whose block ``b`` along ``dim`` pairs with the block from position ``b``."""
+    acc_dtype = partial_sum_dtype(out_dtype)
+    sums: list[torch.Tensor | None] = [None] * len(locals_)
 
     def accumulate(source: int, held: torch.Tensor) -> None:
-        mine = _block(local, source, n, dim)
-        lhs, rhs = (held, mine) if streamed_is_lhs else (mine, held)
-        terms.append(_rows(lhs).to(acc_dtype).T @ _rows(rhs).to(acc_dtype))
+        for i, local in enumerate(locals_):
+            mine = _block(local, source, ring.size, dim)
+            lhs, rhs = (held, mine) if streamed_is_lhs else (mine, held)
+            term = _rows(lhs).to(acc_dtype).T @ _rows(rhs).to(acc_dtype)
+            sums[i] = term if sums[i] is None else sums[i] + term
 
-    _stream(streamed, bidirectional, backend, accumulate)
-    return torch.stack(terms).sum(0).to(out_dtype)
+    _stream(streamed, ring, accumulate)
+    return [s.to(out_dtype) for s in sums]
 
 
 class _RingMatmul(torch.autograd.Function):
-    """Both collective matmuls: ``gather=True`` is all-gather-matmul, ``False`` the other.
+    """Both collective matmuls: ``gather=True`` is all-gather-matmul (any number of weights),
+    ``False`` matmul-reduce-scatter (one weight).
 
     Each one's backward for x is the other ring; for w it streams the sharded operand (x for
     all-gather-matmul, dy for matmul-reduce-scatter) round the ring once more.
     """
 
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, w: torch.Tensor, dim: int, bi: bool, backend: str, gather: bool
-    ) -> torch.Tensor:
-        ctx.save_for_backward(x, w)
-        ctx.args = dim, bi, backend, gather
-        ring = _ring_all_gather_matmul if gather else _ring_matmul_reduce_scatter
-        return ring(x, w, dim, bi, backend)
+    def forward(ctx: Any, meta: tuple, x: torch.Tensor, *ws: torch.Tensor) -> Any:
+        dim, ring, gather, acc = meta
+        ctx.save_for_backward(x, *ws)
+        ctx.meta = meta
+        if gather:
+            return tuple(_ring_all_gather_matmul(x, ws, dim, ring))
+        return _ring_matmul_reduce_scatter(x, ws, dim, ring, acc)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx: Any, dy: torch.Tensor):
-        x, w = ctx.saved_tensors
-        dim, bi, backend, gather = ctx.args
-        dy = dy.contiguous()
-        dual = _ring_matmul_reduce_scatter if gather else _ring_all_gather_matmul
-        dx = dual(dy, w.T, dim, bi, backend)
-        streamed, local = (x, dy) if gather else (dy, x)
-        dw = _stream_weight_grad(streamed, local, dim, gather, bi, backend, w.dtype)
-        return dx, dw, None, None, None, None
+    def backward(ctx: Any, *dys: torch.Tensor):
+        x, *ws = ctx.saved_tensors
+        dim, ring, gather, acc = ctx.meta
+        dys = [dy.contiguous() for dy in dys]  # an unused output's gradient comes as zeros
+        if gather:
+            dx = _ring_matmul_reduce_scatter(dys, [w.T for w in ws], dim, ring, acc)
+            dws = _stream_weight_grad(x, dys, dim, True, ring, ws[0].dtype)
+        else:
+            (dy,) = dys
+            (dx,) = _ring_all_gather_matmul(dy, [ws[0].T], dim, ring)
+            dws = _stream_weight_grad(dy, [x], dim, False, ring, ws[0].dtype)
+        return None, dx, *dws
+
+
+def _empty_or_single(x: torch.Tensor, ws: list[torch.Tensor], ring: tuple) -> bool:
+    return ring[0] == 1 or x.numel() == 0 or any(w.numel() == 0 for w in ws)
 
 
 def all_gather_matmul(
     x: torch.Tensor,
-    w: torch.Tensor,
+    w: Weights,
     *,
     dim: int,
     bidirectional: bool = False,
+    groups: Groups = None,
     backend: Backend = "auto",
-) -> torch.Tensor:
+) -> Any:
     """``AllGather(x, dim) @ w`` without ever holding the gathered x; differentiable (once).
 
     Args:
         x: this rank's shard ``[..., m, K]``, sharded along ``dim`` (rows or sequence).
-        w: this rank's weight ``[K, F]`` (typically a column shard of a ``[K, N*F]`` weight).
+        w: this rank's weight ``[K, F]`` (typically a column shard of a ``[K, N*F]`` weight),
+            or a list of weights ``[K, F_i]`` that share one ring (x travels once).
         dim: the sharded dimension of x; not the last (contracted) one.
         bidirectional: send blocks both ways round the ring: ``N//2 + 1`` steps instead of N.
+        groups: replica groups; each is a ring in its listed order (module docstring).
         backend: permute backend, as in :func:`~xla_permute.permute.collective_permute`.
 
     Returns:
-        ``[..., N*m, F]``: block ``j`` along ``dim`` is ``x_j @ w``. Uses N-1 permutes of one
-        x block each and N matmuls; no step's matmul waits for the permute issued in its step.
-        Backward: ``dx = ReduceScatter(dy @ w.T)`` and ``dw = AllGather(x).T @ dy``, both
-        rings. With one rank: ``x @ w``.
+        ``[..., N*m, F]`` (a tuple of them for a list of weights): block ``j`` along ``dim`` is
+        ``x_j @ w`` with ``x_j`` the shard of the group's ``j``-th rank. Uses N-1 permutes of
+        one x block each and N matmuls per weight; no step's matmul waits for the permute
+        issued in its step. Backward: ``dx = ReduceScatter(sum_i dy_i @ w_i.T)`` and ``dw_i =
+        AllGather(x).T @ dy_i``, both rings. With one rank, or an empty x or w: ``x @ w``
+        repeated N times along ``dim`` (all zeros or empty), without a collective.
     """
-    dim = _check(x, w, dim, "all_gather_matmul", sharded_input=False)
-    if _world()[0] == 1:
-        return x @ w
-    return _RingMatmul.apply(x, w, dim, bool(bidirectional), resolve_backend(backend), True)
+    ws, single = _as_weights(w, "all_gather_matmul")
+    ring = ring_of(groups)
+    dim = _check(x, ws, dim, "all_gather_matmul", False, ring[0])
+    chosen = resolve_backend(backend)
+    if _empty_or_single(x, ws, ring):
+        ys = tuple(torch.cat([x @ wi] * ring[0], dim) if ring[0] > 1 else x @ wi for wi in ws)
+    else:
+        meta = (dim, _Ring(*ring, chosen, bool(bidirectional)), True, None)
+        ys = _RingMatmul.apply(meta, x, *ws)
+    return ys[0] if single else ys
 
 
 def matmul_reduce_scatter(
@@ -240,6 +319,8 @@ def matmul_reduce_scatter(
     *,
     dim: int,
     bidirectional: bool = False,
+    reduce_dtype: torch.dtype | None = None,
+    groups: Groups = None,
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """``ReduceScatter(x @ w, dim)`` with the partial sums travelling round the ring.
@@ -249,30 +330,56 @@ def matmul_reduce_scatter(
         w: this rank's ``[K, F]`` (typically a row shard of a ``[N*K, F]`` weight).
         dim: the dimension to scatter; ``x.shape[dim]`` must divide by N; not the last.
         bidirectional: one partial sum travels each way: ``N//2 + 1`` steps instead of N.
+        reduce_dtype: dtype of the travelling partial sums (:func:`partial_sum_dtype`):
+            float32 for half-precision inputs by default; ``x.dtype`` sends the baseline's
+            bytes (half of float32's) at the price of rounding at every hop.
+        groups: replica groups; each is a ring in its listed order (module docstring).
         backend: permute backend, as in :func:`~xla_permute.permute.collective_permute`.
 
     Returns:
-        ``[..., m, F]``: block ``rank`` along ``dim`` of ``sum_r x_r @ w_r``. Half-precision
-        inputs accumulate in float32 (the travelling sums are float32) and round once.
-        Backward: ``dx = AllGather(dy) @ w.T`` and ``dw = x.T @ AllGather(dy)``, both rings.
-        With one rank: ``x @ w``.
+        ``[..., m, F]``: block ``position`` along ``dim`` of ``sum_r x_r @ w_r`` over the group,
+        rounded once to ``x.dtype``. Backward: ``dx = AllGather(dy) @ w.T`` and ``dw = x.T @
+        AllGather(dy)``, both rings. With one rank: ``x @ w``; with an empty x or w, this rank's
+        block of ``x @ w`` (zeros or empty), without a collective.
     """
-    dim = _check(x, w, dim, "matmul_reduce_scatter", sharded_input=True)
-    if _world()[0] == 1:
-        return x @ w
-    return _RingMatmul.apply(x, w, dim, bool(bidirectional), resolve_backend(backend), False)
+    if not isinstance(w, torch.Tensor):
+        raise TypeError(f"matmul_reduce_scatter: w must be a tensor [K, F], got {type(w)}")
+    ring = ring_of(groups)
+    dim = _check(x, [w], dim, "matmul_reduce_scatter", True, ring[0])
+    acc = partial_sum_dtype(x.dtype, reduce_dtype)
+    chosen = resolve_backend(backend)
+    if _empty_or_single(x, [w], ring):
+        return _block(x @ w, ring[1], ring[0], dim)
+    return _RingMatmul.apply((dim, _Ring(*ring, chosen, bool(bidirectional)), False, acc), x, w)
 
 
-def all_gather_then_matmul(x: torch.Tensor, w: torch.Tensor, *, dim: int) -> torch.Tensor:
-    """Baseline: upstream all-gather (channel id), then one matmul. Same result and shapes as
-    :func:`all_gather_matmul`; holds the gathered x."""
-    dim = _check(x, w, dim, "all_gather_then_matmul", sharded_input=False)
-    return collectives.all_gather(x, dim) @ w
+def all_gather_then_matmul(x: torch.Tensor, w: Weights, *, dim: int, groups: Groups = None) -> Any:
+    """Baseline: upstream all-gather (channel id), then one matmul per weight. Same result and
+    shapes as :func:`all_gather_matmul`; holds the gathered x."""
+    ws, single = _as_weights(w, "all_gather_then_matmul")
+    ring = ring_of(groups)
+    dim = _check(x, ws, dim, "all_gather_then_matmul", False, ring[0])
+    if _empty_or_single(x, ws, ring):
+        ys = tuple(torch.cat([x @ wi] * ring[0], dim) for wi in ws)
+    else:
+        full = collectives.all_gather(x, dim, groups=groups)
+        ys = tuple(full @ wi for wi in ws)
+    return ys[0] if single else ys
 
 
-def matmul_then_reduce_scatter(x: torch.Tensor, w: torch.Tensor, *, dim: int) -> torch.Tensor:
-    """Baseline: one matmul, then upstream reduce-scatter (channel id). Same result and shapes
-    as :func:`matmul_reduce_scatter` (half precision also accumulates in float32)."""
-    dim = _check(x, w, dim, "matmul_then_reduce_scatter", sharded_input=True)
-    acc = _accumulation_dtype(x.dtype)
-    return collectives.reduce_scatter(x.to(acc) @ w.to(acc), dim).to(x.dtype)
+def matmul_then_reduce_scatter(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    *,
+    dim: int,
+    reduce_dtype: torch.dtype | None = None,
+    groups: Groups = None,
+) -> torch.Tensor:
+    """Baseline: one matmul, then upstream reduce-scatter (channel id) in ``reduce_dtype``
+    (:func:`partial_sum_dtype`). Same result and shapes as :func:`matmul_reduce_scatter`."""
+    ring = ring_of(groups)
+    dim = _check(x, [w], dim, "matmul_then_reduce_scatter", True, ring[0])
+    acc = partial_sum_dtype(x.dtype, reduce_dtype)
+    if _empty_or_single(x, [w], ring):
+        return _block(x @ w, ring[1], ring[0], dim)
+    return collectives.reduce_scatter(x.to(acc) @ w.to(acc), dim, groups=groups).to(x.dtype)
