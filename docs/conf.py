@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import shutil
+import sys
 from pathlib import Path
 
 project = "xla-permute"
@@ -65,6 +66,7 @@ nitpick_ignore_regex = [
     ("py:.*", r"(torch|torch_xla|pathlib|collections|typing|argparse)\b.*"),
     ("py:.*", r"(nbclient|numpy|matplotlib|cloudpickle)\b.*"),
     ("py:.*", r"(Path|Tensor|Callable|Sequence|Any|NotebookNode|Module|Figure|Self)"),
+    ("py:.*", r"(Groups|Pairs|PairsLike|Pair|Backend|Tick|MatmulOp|Layout|Strategy)"),
 ]
 
 
@@ -83,5 +85,85 @@ def _notebook_download(app, pagename, templatename, context, doctree) -> None:
     context["ipynb_source"] = f"{pagename}.ipynb"
 
 
+def _lookup(name: str) -> object | None:
+    """The object a dotted name reaches by import and attribute access, or None."""
+    import importlib
+
+    parts = name.split(".")
+    for split in range(len(parts), 0, -1):
+        try:
+            obj: object = importlib.import_module(".".join(parts[:split]))
+        except ImportError:
+            continue
+        try:
+            for attr in parts[split:]:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            return None
+        return obj
+    return None
+
+
+def _resolve_public_name(app, env, node, contnode):
+    """Resolve ``xla_permute.X`` (and a name relative to the current module) to where X is
+    documented: the public namespace re-exports names defined in the submodules."""
+    if node.get("refdomain") != "py":
+        return None
+    target, module = node["reftarget"], node.get("py:module")
+    for name in [target, f"{module}.{target}" if module else None]:
+        if not name or not name.startswith("xla_permute"):
+            continue
+        obj = _lookup(name)
+        if obj is None:
+            continue
+        real = getattr(obj, "__name__", None) if isinstance(obj, type(sys)) else None
+        if real is None:
+            qualname = getattr(obj, "__qualname__", None)
+            real = f"{getattr(obj, '__module__', '')}.{qualname}" if qualname else None
+        if not real or real == target:
+            continue
+        domain = env.get_domain("py")
+        found = domain.resolve_any_xref(env, node["refdoc"], app.builder, real, node, contnode)
+        if found:
+            return found[0][1]
+    return None
+
+
+def _test_files_directive():
+    """``{test-files}``: one section per ``tests/test_*.py``: its docstring, then its source.
+
+    Every section has the label ``test-<name>`` (``test-test_permute``), so pages cite a test
+    file as ``{ref}`tests/test_permute.py <test-test_permute>```.
+    """
+    import ast
+
+    from docutils.statemachine import StringList
+    from sphinx.util.docutils import SphinxDirective
+    from sphinx.util.nodes import nested_parse_with_titles
+
+    class TestFiles(SphinxDirective):
+        def run(self):
+            lines: list[str] = []
+            for path in sorted((_ROOT / "tests").glob("test_*.py")):
+                doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+                self.env.note_dependency(str(path))
+                title = f"``tests/{path.name}``"
+                lines += [f".. _test-{path.stem}:", "", title, "-" * len(title), ""]
+                lines += [*doc.splitlines(), "", f".. dropdown:: Source of tests/{path.name}", ""]
+                lines += [f"   .. literalinclude:: /../tests/{path.name}", "      :language: python", ""]
+            from docutils import nodes
+
+            node = nodes.container()
+            nested_parse_with_titles(self.state, StringList(lines, source="tests/"), node)
+            return node.children
+
+    return TestFiles
+
+
+_ROOT = Path(__file__).resolve().parents[1]
+
+
 def setup(app) -> None:
     app.connect("html-page-context", _notebook_download, priority=400)
+    app.connect("missing-reference", _resolve_public_name)
+    app.add_directive("test-files", _test_files_directive())
