@@ -30,7 +30,8 @@ def matmul_program(
     backward: bool = False,
     dtype: torch.dtype = torch.float32,
 ) -> list[torch.Tensor]:
-    """Trace ``op`` on this rank's device; return its outputs (nothing is executed).
+    """Trace ``op`` on this rank's device; return its outputs (nothing is executed). Call it
+    inside :func:`xla_permute.hlo.tracing` for the native backend.
 
     All-gather ops take x ``[m, k]`` (this rank's rows), reduce-scatter ops x ``[N*m, k]``;
     w is ``[k, f]``. With ``backward`` the outputs are the gradients of ``sum(y)`` w.r.t. x
@@ -50,8 +51,7 @@ def matmul_program(
     kwargs: dict[str, Any] = {"dim": 0}
     if op in ("all_gather_matmul", "matmul_reduce_scatter"):
         kwargs.update(bidirectional=bidirectional, backend=backend)
-    with xp.hlo.tracing():  # the native backend is only traced on the CPU mesh
-        y = getattr(xp, op)(x, w, **kwargs)
+    y = getattr(xp, op)(x, w, **kwargs)
     if not backward:
         return [y]
     y.sum().backward()
@@ -63,4 +63,8 @@ def matmul_hlos(specs: list[dict[str, Any]]) -> list[str]:
     arguments), each program standing alone (:func:`xla_permute.hlo.trace`)."""
     import xla_permute as xp
 
-    return [xp.hlo.trace(matmul_program(**spec)) for spec in specs]
+    texts = []
+    for spec in specs:
+        with xp.hlo.tracing():  # the native backend is only traced on the CPU mesh
+            texts.append(xp.hlo.trace(matmul_program(**spec)))
+    return texts

@@ -426,7 +426,16 @@ def trace(tensors: object) -> str:
     return text
 
 
-_tracing = threading.local()  # per rank: the ranks of the CPU mesh are threads of one process
+# Per rank, keyed by its device (as xla_permute.channels): the ranks of the CPU mesh are threads
+# of one process, and autograd runs a rank's backward on another thread of the same device.
+_tracing: dict[str, int] = {}
+_tracing_lock = threading.Lock()
+
+
+def _rank_device() -> str:
+    import torch_xla
+
+    return str(torch_xla.device())
 
 
 @contextmanager
@@ -438,16 +447,20 @@ def tracing() -> Iterator[None]:
     it builds (:func:`trace`) and discard them, never to run them. On leaving the block the
     collectives traced in it are forgotten (:func:`discard_traced_collectives`).
     """
-    depth = getattr(_tracing, "depth", 0)
-    _tracing.depth = depth + 1
+    device = _rank_device()
+    with _tracing_lock:
+        depth = _tracing.get(device, 0)
+        _tracing[device] = depth + 1
     try:
         yield
     finally:
-        _tracing.depth = depth
+        with _tracing_lock:
+            _tracing[device] = depth
         if depth == 0:
             discard_traced_collectives()
 
 
 def is_tracing() -> bool:
-    """True inside :func:`tracing` on this thread."""
-    return getattr(_tracing, "depth", 0) > 0
+    """True inside :func:`tracing` on this rank (also in its backward, on autograd's thread)."""
+    with _tracing_lock:
+        return _tracing.get(_rank_device(), 0) > 0
