@@ -137,6 +137,7 @@ def _test_files_directive():
     """
     import ast
 
+    from docutils import nodes
     from docutils.statemachine import StringList
     from sphinx.util.docutils import SphinxDirective
     from sphinx.util.nodes import nested_parse_with_titles
@@ -150,8 +151,8 @@ def _test_files_directive():
                 title = f"``tests/{path.name}``"
                 lines += [f".. _test-{path.stem}:", "", title, "-" * len(title), ""]
                 lines += [*doc.splitlines(), "", f".. dropdown:: Source of tests/{path.name}", ""]
-                lines += [f"   .. literalinclude:: /../tests/{path.name}", "      :language: python", ""]
-            from docutils import nodes
+                lines += [f"   .. literalinclude:: /../tests/{path.name}"]
+                lines += ["      :language: python", ""]
 
             node = nodes.container()
             nested_parse_with_titles(self.state, StringList(lines, source="tests/"), node)
