@@ -10,6 +10,8 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# Ring attention (context parallelism) and its sequence layouts
+from xla_permute.attention import all_gather_attention, ring_attention
 from xla_permute.collectives import all_gather, reduce_scatter, sum_gradients
 
 # The debug mode: every collective first checks that all ranks pass the same arguments
@@ -17,7 +19,14 @@ from xla_permute.debug import DisagreementError, debug_mode
 
 # The CPU mesh: run a function on every device
 from xla_permute.launch import MeshError, RankError, run_on_mesh
-from xla_permute.layers import ColumnParallelLinear, RowParallelLinear, SequenceParallelMLP
+from xla_permute.layers import (
+    ColumnParallelLinear,
+    GatedMLP,
+    RowParallelLinear,
+    SequenceParallelMLP,
+    relu_product,
+    swiglu,
+)
 
 # Collective matmul and the tensor-parallel layers on it
 from xla_permute.matmul import (
@@ -50,6 +59,9 @@ from xla_permute.schedule import (
     reduce_scatter_schedule,
     ring_steps,
 )
+
+# Split a sequence over ranks and put it back (host, pure torch)
+from xla_permute.sequence import shard_sequence, unshard_sequence
 
 # Pipeline stages without send/recv
 from xla_permute.shift import shift_pairs, stage_shift
@@ -86,6 +98,7 @@ __all__ = [
     "ColumnParallelLinear",
     "Decomposition",
     "DisagreementError",
+    "GatedMLP",
     "MeshError",
     "RankError",
     "RingStep",
@@ -93,6 +106,7 @@ __all__ = [
     "Schedule",
     "SequenceParallelMLP",
     "all_gather",
+    "all_gather_attention",
     "all_gather_matmul",
     "all_gather_schedule",
     "all_gather_then_matmul",
@@ -111,11 +125,15 @@ __all__ = [
     "pipeline_groups",
     "reduce_scatter",
     "reduce_scatter_schedule",
+    "relu_product",
+    "ring_attention",
     "ring_pairs",
     "ring_steps",
     "run_on_mesh",
+    "shard_sequence",
     "shift_pairs",
     "stage_shift",
     "sum_gradients",
+    "unshard_sequence",
 ]
 __version__ = "0.1.0"

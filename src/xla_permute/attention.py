@@ -1,0 +1,466 @@
+"""Ring attention (context parallelism) on CollectivePermute, forward and backward.
+
+The sequence is split over the N ranks of a ring (layouts in :mod:`xla_permute.sequence`).
+Every rank keeps its query block and passes its key/value block around the ring with N-1
+CollectivePermutes; at each hop it attends its queries to the block it holds and merges the
+result into a running (output, log-sum-exp) pair. No rank ever holds the whole K/V.
+
+Per rank (``S/N`` this rank's share of the sequence, ``G = Hq/Hkv`` query heads per K/V head):
+
+=============  ==========================  ===========================================
+tensor         shape                       note
+=============  ==========================  ===========================================
+q              ``[B, Hq, S/N, D]``         stays on its rank
+k, v           ``[B, Hkv, S/N, D]``        travel together, one permute per hop
+out            ``[B, Hq, S/N, D]``         ``softmax(q k^T * scale + mask) v`` over all keys
+lse            ``[B, Hkv, G, S/N]``        float32 log-sum-exp, saved for the backward
+=============  ==========================  ===========================================
+
+Merge of a block's ``(o_b, l_b)`` into the running ``(o, l)`` (float32; half precision is
+rounded once at the end): ``l' = logaddexp(l, l_b)``, ``o' = o e^(l-l') + o_b e^(l_b-l')``.
+
+Backward (its own ring, flash-attention style): saved are q, k, v, out and lse, O(S/N) per
+rank. Each block's probabilities are recomputed as ``p = exp(s - lse)``; with
+``delta = rowsum(dout * out)``: ``dv += p^T dout``, ``ds = p (dout v^T - delta)``,
+``dq += scale ds k``, ``dk += scale ds^T q``. dQ stays local; the dK/dV accumulators travel
+in one tensor with K and V (``[k, v, dk, dv]``, float32 for half inputs) and after N-1 hops
+sit one rank short of their owner: one more permute (of ``[dk, dv]`` only) brings them home.
+So the backward issues N permutes, the forward N-1.
+
+Causal: blocks fully above the diagonal are skipped, not computed and discarded. Which
+blocks a rank computes at each hop is :func:`ring_attention_schedule`, pure Python. The
+collectives never depend on it: every rank issues the same permutes in the same order; only
+the compute differs, and a rank whose last block is skipped still consumes the received
+tensor (an optimisation barrier), so that its program keeps the permute the others wait for.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import torch
+
+from xla_permute.pairs import check_groups, global_pairs, ring_pairs
+from xla_permute.permute import (
+    Backend,
+    _permute,
+    check_xla_tensor,
+    collective_permute,
+    resolve_backend,
+)
+from xla_permute.sequence import check_layout, layout_chunks
+
+__all__ = [
+    "AttentionBlock",
+    "AttentionHop",
+    "all_gather_attention",
+    "ring_attention",
+    "ring_attention_schedule",
+    "schedule_work",
+]
+
+_HALF = (torch.bfloat16, torch.float16)
+
+
+class AttentionBlock(NamedTuple):
+    """One attention block: query chunks x key chunks (global chunk ids), masked or not.
+
+    ``causal=True`` only for a diagonal block (one chunk against itself): the causal mask
+    applies inside it. Chunk ids count ``N`` chunks (contiguous) or ``2N`` (zigzag).
+    """
+
+    q_chunks: tuple[int, ...]
+    k_chunks: tuple[int, ...]
+    causal: bool
+
+
+class AttentionHop(NamedTuple):
+    """Hop ``hop`` on one rank: it holds the K/V of rank ``source`` and computes ``blocks``."""
+
+    hop: int
+    source: int
+    blocks: tuple[AttentionBlock, ...]
+
+
+def _causal_blocks(own: tuple[int, ...], theirs: tuple[int, ...]) -> tuple[AttentionBlock, ...]:
+    full = {i: tuple(j for j in theirs if j < i) for i in own}
+    if all(len(full[i]) == len(theirs) for i in own):
+        return (AttentionBlock(own, theirs, False),)
+    by_keys: dict[tuple[int, ...], list[int]] = {}
+    for i in own:
+        if full[i]:
+            by_keys.setdefault(full[i], []).append(i)
+    blocks = [AttentionBlock(tuple(qs), ks, False) for ks, qs in by_keys.items()]
+    return tuple(blocks + [AttentionBlock((i,), (i,), True) for i in own if i in theirs])
+
+
+def ring_attention_schedule(
+    n: int, rank: int, *, causal: bool = False, layout: str = "contiguous"
+) -> tuple[AttentionHop, ...]:
+    """What ``rank`` of ``n`` computes at each of the N hops (K/V moves to rank r+1 per hop).
+
+    >>> [len(h.blocks) for h in ring_attention_schedule(4, 0, causal=True)]   # rank 0 idles
+    [1, 0, 0, 0]
+    >>> ring_attention_schedule(2, 0, causal=True, layout="zigzag")[1].blocks
+    (AttentionBlock(q_chunks=(3,), k_chunks=(1, 2), causal=False),)
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int number of ranks, got {n!r}")
+    if not 0 <= rank < n:
+        raise ValueError(f"rank must be in 0..{n - 1}, got {rank!r}")
+    own = layout_chunks(n, rank, layout)
+    hops = []
+    for t in range(n):
+        source = (rank - t) % n
+        theirs = layout_chunks(n, source, layout)
+        blocks = _causal_blocks(own, theirs) if causal else (AttentionBlock(own, theirs, False),)
+        hops.append(AttentionHop(t, source, blocks))
+    return tuple(hops)
+
+
+def schedule_work(schedule: Sequence[AttentionHop]) -> list[float]:
+    """Work per hop in chunk-pair units (a diagonal block counts one half).
+
+    >>> [schedule_work(ring_attention_schedule(4, r, causal=True)) for r in (0, 3)]
+    [[0.5, 0, 0, 0], [0.5, 1, 1, 1]]
+    """
+    return [
+        sum(len(b.q_chunks) * len(b.k_chunks) * (0.5 if b.causal else 1) for b in h.blocks)
+        for h in schedule
+    ]
+
+
+def _span(chunks: tuple[int, ...], held: tuple[int, ...], size: int) -> slice:
+    first = held.index(chunks[0])
+    return slice(first * size, (first + len(chunks)) * size)
+
+
+def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> torch.Tensor:
+    """``q [B, Hkv, G, m, D]``, ``k [B, Hkv, n, D]`` -> scaled scores ``[B, Hkv, G, m, n]``.
+
+    G folds into the rows (one batched dot, K not repeated); causal: ``-inf`` above the diagonal.
+    """
+    b, h, g, m, d = q.shape
+    s = (q.reshape(b, h, g * m, d) @ k.transpose(-1, -2)).view(b, h, g, m, -1) * scale
+    if causal:
+        above = torch.ones(m, m, dtype=torch.bool, device=s.device).triu(1)
+        s = s.masked_fill(above, float("-inf"))
+    return s
+
+
+def _rows(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``p [B, Hkv, G, m, n] @ x [B, Hkv, n, D]`` -> ``[B, Hkv, G, m, D]``."""
+    b, h, g, m, n = p.shape
+    return (p.reshape(b, h, g * m, n) @ x).view(b, h, g, m, -1)
+
+
+def _cols(p: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+    """``p^T @ x`` summed over the G query heads: ``[B, Hkv, G, m, n]``, ``[B, Hkv, G, m, D]``
+    -> ``[B, Hkv, n, D]``."""
+    b, h, g, m, n = p.shape
+    return p.permute(0, 1, 4, 2, 3).reshape(b, h, n, g * m) @ x.reshape(b, h, g * m, -1)
+
+
+def _add(parts: list[Any], first: int, value: torch.Tensor, size: int, dim: int) -> None:
+    """Add ``value`` (one or more chunks along ``dim``) into ``parts[first], parts[first+1]...``."""
+    for j, piece in enumerate(value.split(size, dim)):
+        parts[first + j] = piece if parts[first + j] is None else parts[first + j] + piece
+
+
+class _Plan(NamedTuple):
+    """Everything a rank's forward and backward ring need besides the tensors."""
+
+    n: int
+    rank: int
+    groups: tuple[tuple[int, ...], ...] | None
+    backend: str
+    layout: str
+    scale: float
+    acc: torch.dtype
+    schedule: tuple[AttentionHop, ...]
+
+    def send(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's ``x`` to rank r+1 (group-local): one collective-permute."""
+        return collective_permute(
+            x.contiguous(), ring_pairs(self.n), groups=self.groups, backend=self.backend
+        )
+
+    def send_checked(self, x: torch.Tensor) -> torch.Tensor:
+        """:meth:`send` without its checks, which the forward ran: for the backward, which
+        autograd runs on a thread of its own (outside the caller's ``xp.hlo.tracing()``)."""
+        import torch_xla.runtime as xr
+
+        pairs = global_pairs(ring_pairs(self.n), self.groups, xr.world_size())
+        return _permute(x.contiguous(), pairs, self.backend)
+
+    def chunks(self, rank: int) -> tuple[int, ...]:
+        return layout_chunks(self.n, rank, self.layout)
+
+
+def _keep(plan: _Plan, tensors: list[torch.Tensor]) -> None:
+    """Tie the tensors in one optimisation barrier, so that none drops out of the program.
+
+    A received K/V that no block uses would otherwise leave this rank's program, with the
+    permute that brought it, and the ranks that do issue that permute would wait forever.
+    """
+    if plan.n > 1:
+        import torch_xla.core.xla_model as xm
+
+        xm.optimization_barrier_(tensors)
+
+
+def _ring_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``q [B, Hkv, G, S/N, D]`` (acc dtype), ``k, v [B, Hkv, S/N, D]`` -> out, lse (acc)."""
+    own = plan.chunks(plan.rank)
+    size = q.shape[3] // len(own)
+    outs: list[Any] = [None] * len(own)
+    lses: list[Any] = [None] * len(own)
+    kv = torch.stack([k, v])  # K and V travel together: one permute per hop
+    for hop in plan.schedule:
+        received = plan.send(kv) if hop.hop < plan.n - 1 else None  # issued before the blocks
+        theirs = plan.chunks(hop.source)
+        for block in hop.blocks:
+            qs, ks = _span(block.q_chunks, own, size), _span(block.k_chunks, theirs, size)
+            s = _scores(q[:, :, :, qs], kv[0, :, :, ks].to(plan.acc), plan.scale, block.causal)
+            lse_b = torch.logsumexp(s, dim=-1)
+            o_b = _rows(torch.exp(s - lse_b[..., None]), kv[1, :, :, ks].to(plan.acc))
+            first = own.index(block.q_chunks[0])
+            for j, (o_j, l_j) in enumerate(
+                zip(o_b.split(size, 3), lse_b.split(size, 3), strict=True)
+            ):
+                i = first + j
+                if outs[i] is None:
+                    outs[i], lses[i] = o_j, l_j
+                    continue
+                top = torch.maximum(lses[i], l_j)  # logaddexp, without a CPU fallback
+                new = top + torch.log(torch.exp(lses[i] - top) + torch.exp(l_j - top))
+                outs[i] = (
+                    outs[i] * torch.exp(lses[i] - new)[..., None]
+                    + o_j * torch.exp(l_j - new)[..., None]
+                )
+                lses[i] = new
+        if received is not None:
+            kv = received
+    out, lse = torch.cat(outs, 3), torch.cat(lses, 3)
+    _keep(plan, [out, lse, kv])
+    return out, lse
+
+
+def _ring_backward(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    plan: _Plan,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """All in acc dtype, grouped: ``q, out, dout [B, Hkv, G, S/N, D]`` -> dq, dk, dv."""
+    own = plan.chunks(plan.rank)
+    size = q.shape[3] // len(own)
+    delta = (dout * out).sum(-1)  # [B, Hkv, G, S/N]
+    dq: list[Any] = [None] * len(own)
+    kvd = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
+    for hop in plan.schedule:
+        theirs = plan.chunks(hop.source)
+        kk, vv = kvd[0], kvd[1]
+        dk, dv = list(kvd[2].split(size, 2)), list(kvd[3].split(size, 2))
+        for block in hop.blocks:
+            qs, ks = _span(block.q_chunks, own, size), _span(block.k_chunks, theirs, size)
+            q_b, do_b = q[:, :, :, qs], dout[:, :, :, qs]
+            s = _scores(q_b, kk[:, :, ks], plan.scale, block.causal)
+            p = torch.exp(s - lse[:, :, :, qs, None])
+            ds = p * (_rows_t(do_b, vv[:, :, ks]) - delta[:, :, :, qs, None]) * plan.scale
+            first_k = theirs.index(block.k_chunks[0])
+            _add(dv, first_k, _cols(p, do_b), size, 2)
+            _add(dk, first_k, _cols(ds, q_b), size, 2)
+            _add(dq, own.index(block.q_chunks[0]), _rows(ds, kk[:, :, ks]), size, 3)
+        kvd = torch.stack([kk, vv, torch.cat(dk, 2), torch.cat(dv, 2)])
+        if hop.hop < plan.n - 1:
+            kvd = plan.send_checked(kvd)  # carries this hop's dK/dV: waits for its blocks
+    dkv = (
+        plan.send_checked(kvd[2:]) if plan.n > 1 else kvd[2:]
+    )  # the N-th permute: home to the owner
+    grad_q = torch.cat([torch.zeros_like(q[:, :, :, :size]) if d is None else d for d in dq], 3)
+    return grad_q, dkv[0], dkv[1]
+
+
+def _rows_t(do: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """``dout v^T``: ``[B, Hkv, G, m, D]``, ``[B, Hkv, n, D]`` -> ``[B, Hkv, G, m, n]``."""
+    b, h, g, m, d = do.shape
+    return (do.reshape(b, h, g * m, d) @ v.transpose(-1, -2)).view(b, h, g, m, -1)
+
+
+class _RingAttention(torch.autograd.Function):
+    """``out = attention(q, k, v)`` over the ring; backward: the ring of dK/dV (see module)."""
+
+    @staticmethod
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan):  # noqa: ANN205
+        b, hq, s, d = q.shape
+        hkv = k.shape[1]
+        qg = q.reshape(b, hkv, hq // hkv, s, d).to(plan.acc)
+        out, lse = _ring_forward(qg, k, v, plan)
+        ctx.plan = plan
+        ctx.save_for_backward(q, k, v, out, lse)
+        return out.reshape(b, hq, s, d).to(q.dtype)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor):  # noqa: ANN205
+        q, k, v, out, lse = ctx.saved_tensors
+        plan: _Plan = ctx.plan
+        b, hq, s, d = q.shape
+        hkv = k.shape[1]
+        grouped = (b, hkv, hq // hkv, s, d)
+        dq, dk, dv = _ring_backward(
+            q.reshape(grouped).to(plan.acc), k.to(plan.acc), v.to(plan.acc), out, lse,
+            grad.reshape(grouped).to(plan.acc), plan,
+        )  # fmt: skip
+        return dq.reshape(b, hq, s, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
+
+
+def _check(
+    q: object, k: object, v: object, causal: object, layout: object, scale: object, op: str
+) -> float:
+    """Validate the arguments of ``op`` (before any collective); return the scale."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        check_xla_tensor(t, name)
+        if t.dim() != 4:  # type: ignore[union-attr]
+            raise ValueError(f"{op}: {name} must be 4-D [B, H, S/N, D], got {tuple(t.shape)}")  # type: ignore[union-attr]
+    assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
+    assert isinstance(v, torch.Tensor)
+    if not q.dtype.is_floating_point or k.dtype != q.dtype or v.dtype != q.dtype:
+        raise TypeError(
+            f"{op}: q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+        )
+    if k.device != q.device or v.device != q.device:
+        raise ValueError(f"{op}: q, k, v are on {q.device}, {k.device}, {v.device}; use one")
+    if k.shape != v.shape:
+        raise ValueError(
+            f"{op}: k and v must have one shape, got {tuple(k.shape)}, {tuple(v.shape)}"
+        )
+    (b, hq, s, d), hkv = q.shape, k.shape[1]
+    if (k.shape[0], k.shape[2], k.shape[3]) != (b, s, d):
+        raise ValueError(
+            f"{op}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, local "
+            f"sequence and head dim ([B, Hq, S/N, D] and [B, Hkv, S/N, D])"
+        )
+    if hkv < 1 or hq % hkv:
+        raise ValueError(
+            f"{op}: q has {hq} heads and k has {hkv}; the query heads must be a multiple of "
+            f"the key/value heads (grouped-query attention)"
+        )
+    if not isinstance(causal, bool):
+        raise TypeError(f"{op}: causal must be True or False, got {causal!r}")
+    check_layout(layout)
+    if layout == "zigzag" and s % 2:
+        raise ValueError(
+            f"{op}: layout='zigzag' holds two equal chunks per rank, but the local sequence "
+            f"length is {s} (odd); shard with xla_permute.shard_sequence(..., layout='zigzag')"
+        )
+    if scale is None:
+        return 1.0 / math.sqrt(d) if d else 1.0
+    if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
+        raise ValueError(f"{op}: scale must be a positive finite number or None, got {scale!r}")
+    return float(scale)
+
+
+def ring_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    layout: str = "contiguous",
+    scale: float | None = None,
+    groups: Sequence[Sequence[int]] | None = None,
+    backend: Backend = "auto",
+) -> torch.Tensor:
+    """Attention of this rank's queries to the whole sequence, K/V passed around a ring.
+
+    Args:
+        q: ``[B, Hq, S/N, D]``, this rank's sequence shard (``layout``) on an XLA device.
+        k, v: ``[B, Hkv, S/N, D]`` with ``Hq % Hkv == 0`` (grouped-query attention: query head
+            ``h`` uses key/value head ``h // (Hq/Hkv)``, as ``scaled_dot_product_attention``
+            with ``enable_gqa=True``; K/V are not repeated in memory).
+        causal: mask keys after the query's position (global positions, from ``layout``);
+            fully masked blocks are skipped.
+        layout: ``"contiguous"`` or ``"zigzag"`` (:func:`xla_permute.shard_sequence`); the
+            latter balances causal work over the ranks.
+        scale: the score scale, default ``1/sqrt(D)``.
+        groups: replica groups of equal size; each is its own ring of ``N = len(group)``
+            ranks, and ranks are numbered by their position in the group.
+        backend: of the permutes (:func:`xla_permute.collective_permute`).
+
+    Returns:
+        ``[B, Hq, S/N, D]``: ``softmax(q K^T * scale + mask) V`` over the whole sequence, in
+        the input dtype (merged in float32 for half inputs, rounded once). Differentiable:
+        the backward is a ring of its own (module docstring). Collectives: N-1 permutes of
+        ``[2, B, Hkv, S/N, D]`` forward; N permutes backward. Empty inputs issue none.
+
+    Raises:
+        TypeError, ValueError: bad tensors, dtypes, shapes, ``causal``, ``layout``,
+            ``scale``, ``groups`` or ``backend``, before any collective. Ranks must pass
+            equal shapes (not checked: that would take a collective).
+    """
+    scale_ = _check(q, k, v, causal, layout, scale, "ring_attention")
+    chosen = resolve_backend(backend)
+    import torch_xla.runtime as xr
+
+    checked = check_groups(groups, xr.world_size())
+    me = xr.global_ordinal()
+    group = next(g for g in checked if me in g)
+    n, rank = len(group), group.index(me)
+    if q.numel() == 0 or k.numel() == 0:  # every rank agrees: no collective
+        return q * 0 + (k.sum() + v.sum()) * 0
+    acc = torch.float32 if q.dtype in _HALF else q.dtype
+    schedule = ring_attention_schedule(n, rank, causal=causal, layout=layout)
+    plan = _Plan(n, rank, None if groups is None else checked, chosen, layout, scale_, acc,
+                 schedule)  # fmt: skip
+    return _RingAttention.apply(q, k, v, plan)
+
+
+def _positions(n: int, rank: int, layout: str, length: int) -> torch.Tensor:
+    """Global sequence positions of the ``length`` local rows of ``rank``."""
+    chunks = layout_chunks(n, rank, layout)
+    size = length // len(chunks)
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+
+
+def all_gather_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    layout: str = "contiguous",
+    scale: float | None = None,
+) -> torch.Tensor:
+    """The baseline: all-gather K and V (one all-gather of both), attend, over all ranks.
+
+    Shapes, arguments and result as :func:`ring_attention` (no groups). Every rank holds the
+    whole ``[2, B, Hkv, S, D]`` K/V and a ``[B, Hq, S/N, S]`` score matrix; the attention
+    waits for the all-gather. Backward by autograd (a reduce-scatter of dK/dV).
+    """
+    from xla_permute.collectives import all_gather
+
+    scale_ = _check(q, k, v, causal, layout, scale, "all_gather_attention")
+    if q.numel() == 0 or k.numel() == 0:
+        return q * 0 + (k.sum() + v.sum()) * 0
+    import torch_xla.runtime as xr
+
+    n, rank = xr.world_size(), xr.global_ordinal()
+    (b, hq, s, d), hkv = q.shape, k.shape[1]
+    acc = torch.float32 if q.dtype in _HALF else q.dtype
+    kv = all_gather(torch.stack([k, v]), dim=3).to(acc)  # [2, B, Hkv, N*S/N, D]
+    qg = q.reshape(b, hkv, hq // hkv, s, d).to(acc)
+    scores = _scores(qg, kv[0], scale_, False)
+    if causal:
+        keys = torch.cat([_positions(n, r, layout, s) for r in range(n)])
+        above = keys[None, :] > _positions(n, rank, layout, s)[:, None]
+        scores = scores.masked_fill(above.to(q.device), float("-inf"))
+    out = _rows(torch.softmax(scores, dim=-1), kv[1])
+    return out.reshape(b, hq, s, d).to(q.dtype)
