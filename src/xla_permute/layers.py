@@ -25,7 +25,7 @@ Per-rank shapes, N ranks, sequence dimension ``dim`` (default 1 of ``[batch, seq
 the form the TPU compiler's own collective matmul rewrites: channel id, ``pin_layout=False``,
 global device ids; set the environment of :func:`xla_permute.hardware.tpu_collective_matmul_setup`
 before the runtime starts) or ``"auto"`` (the faster of ring and baseline by
-:func:`xla_permute.cost.choose_strategy` for the detected chip and shape; ring off TPU/Neuron).
+:func:`choose_strategy` (the cost model) for the detected chip and shape; ring off TPU/Neuron).
 ``groups``: tensor parallelism within each replica group (a ring in the group's order);
 ``world_size`` is then the group size. Empty inputs give empty outputs without a collective.
 
@@ -54,6 +54,7 @@ from xla_permute.permute import BACKENDS
 
 __all__ = [
     "STRATEGIES",
+    "choose_strategy",
     "ColumnParallelLinear",
     "GatedMLP",
     "RowParallelLinear",
@@ -117,6 +118,46 @@ def _strategy(strategy: str | None, collective_matmul: bool | None) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     return strategy
+
+
+_TPU_CHIPS = {"v4": "tpu-v4", "v5litepod": "tpu-v5e", "v5e": "tpu-v5e", "v5p": "tpu-v5p",
+              "v6e": "tpu-v6e"}  # fmt: skip
+
+
+def _chip() -> str | None:
+    """The :data:`xla_permute.cost.CHIPS` key of this rank's accelerator, if modelled."""
+    import torch_xla.runtime as xr
+
+    if xr.device_type() != "TPU":
+        return None
+    from xla_permute.hardware.environment import detect
+
+    generation = (detect().tpu_generation or "").lower()
+    return _TPU_CHIPS.get(generation)
+
+
+def choose_strategy(
+    op: str,
+    *,
+    m: int,
+    k: int,
+    n: int,
+    n_devices: int,
+    dtype_bytes: int = 2,
+    bidirectional: bool = False,
+    chip: str | None = None,
+) -> str:
+    """``"ring"`` or ``"baseline"``: the faster by :func:`xla_permute.cost.predict` on ``chip``
+    (a key of :data:`xla_permute.cost.CHIPS`); ``"ring"`` for an unmodelled chip or an empty
+    shape. So the choice is never predicted slower than the better of the two."""
+    if chip is None or min(m, k, n) <= 0 or n_devices < 2:
+        return "ring"
+    from xla_permute import cost
+
+    work = cost.Workload(m=m, k=k, n=n, n_devices=n_devices, dtype_bytes=dtype_bytes, op=op)
+    ring = cost.predict(cost.CHIPS[chip], work, "bi" if bidirectional else "uni").total
+    base = cost.predict(cost.CHIPS[chip], work, "baseline").total
+    return "ring" if ring <= base else "baseline"
 
 
 def _shard(size: int, world_size: int, what: str) -> int:
@@ -202,14 +243,12 @@ class _ParallelLinear(nn.Module):
             )
         if self.strategy != "auto":
             return "ring" if self.strategy == "ring" else "baseline"
-        from xla_permute.cost import choose_strategy
-
         op = "all_gather_matmul" if self._sharded == "out" else "matmul_reduce_scatter"
         local = x.shape[self.dim] // (1 if self._sharded == "out" else size)
         rows = x.numel() // max(x.shape[-1], 1) // max(x.shape[self.dim], 1) * local
         return choose_strategy(
             op, m=rows, k=self.weight.shape[1], n=self.weight.shape[0], n_devices=size,
-            dtype_bytes=x.element_size(), bidirectional=self.bidirectional,
+            dtype_bytes=x.element_size(), bidirectional=self.bidirectional, chip=_chip(),
         )  # fmt: skip
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
