@@ -25,10 +25,12 @@ from notebook_cells import CellRunner, code_cells  # noqa: E402
 os.environ.setdefault("XLA_PERMUTE_DEBUG", "1")
 
 TUTORIALS = Path(__file__).parent / "tutorials"
+#: Executable pages outside tutorials/: the landing page's example runs as a test too.
+PAGES = {Path(__file__).parent / "docs" / "index.md"}
 
 
 def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Collector | None:
-    if file_path.suffix == ".md" and file_path.parent == TUTORIALS:
+    if file_path.suffix == ".md" and (file_path.parent == TUTORIALS or file_path in PAGES):
         return TutorialFile.from_parent(parent, path=file_path)
     return None
 

@@ -8,6 +8,8 @@ from notebook_cells import CellRunner, code_cells, excluded_cells
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.md"))
+#: Every executable page: the tutorials and the landing page, whose example runs too.
+PAGES = [ROOT / "docs" / "index.md", *TUTORIALS]
 
 
 def toctree_entries() -> set[str]:
@@ -27,7 +29,7 @@ def test_tutorial_is_in_toctree(path):
     assert f"tutorials/{path.stem}" in toctree_entries(), f"add {path.stem} to docs/index.md"
 
 
-@pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
 def test_tutorial_has_cells_and_none_excluded(path):
     assert code_cells(path), f"{path.name}: no code cell collected"
     assert excluded_cells(path) == [], f"{path.name}: cells excluded from execution"
@@ -96,7 +98,7 @@ def _undefined_mesh_functions(path: Path) -> list[tuple[int, str]]:
     return [(line, name) for line, name, i in calls if name not in set().union(*defined[: i + 1])]
 
 
-@pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
+@pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)
 def test_tutorial_defines_every_function_it_runs_on_the_mesh(path):
     """The reader sees the code each device runs: ``run_on_mesh(f, ...)`` needs ``def f`` on the
     page, in that cell or an earlier one (a lambda is on the page too)."""
