@@ -26,6 +26,7 @@ __all__ = [
     "new_figure",
     "pairs_figure",
     "pipeline_schedule_figure",
+    "ring_attention_figure",
     "ring_schedule_figure",
 ]
 
@@ -258,4 +259,75 @@ def ring_schedule_figure(n: int, kind: str = "all_gather", bidirectional: bool =
     what = "all-gather-matmul" if kind == "all_gather" else "matmul-reduce-scatter"
     ax.set_title(f"{what}, {'bi' if bidirectional else 'uni'}directional, N={n} "
                  f"(from xla_permute.schedule)", fontsize=10)  # fmt: skip
+    return fig
+
+
+def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
+    """Ring attention's schedule: which (query chunk, key chunk) blocks each rank computes.
+
+    Drawn from :func:`xla_permute.attention.ring_attention_schedule`, the schedule the code
+    runs: one panel per layout (contiguous, zigzag), a row per rank, a column per hop. In a
+    cell, rows are the rank's query chunks and columns the key chunks it holds at that hop:
+    filled = computed in full, lower triangle = the diagonal block (causal mask inside),
+    blank = skipped. The number is the cell's work in chunk-pairs of that layout.
+
+    >>> fig = ring_attention_figure(2)
+    >>> [ax.get_title().split(":")[0] for ax in fig.axes]
+    ['contiguous', 'zigzag']
+    """
+    from matplotlib.patches import Polygon, Rectangle
+
+    from xla_permute.attention import ring_attention_schedule, schedule_work
+    from xla_permute.sequence import layout_chunks
+
+    fig = new_figure(figsize=(2 * (1.0 * n + 0.8), 0.9 * n + 1.2))
+    for p, layout in enumerate(("contiguous", "zigzag")):
+        ax = fig.add_subplot(1, 2, p + 1)
+        busiest = 0.0
+        total = 0.0
+        for r in range(n):
+            schedule = ring_attention_schedule(n, r, causal=causal, layout=layout)
+            work = schedule_work(schedule)
+            total += sum(work)
+            own = layout_chunks(n, r, layout)
+            for hop, w in zip(schedule, work, strict=True):
+                held = layout_chunks(n, hop.source, layout)
+                size = 0.8 / len(own)
+                blocks = hop.blocks
+                kinds = {(i, j): b.causal for b in blocks for i in b.q_chunks for j in b.k_chunks}
+                for a, i in enumerate(own):
+                    for c, j in enumerate(held):
+                        x0, y0 = hop.hop - 0.4 + c * size, r - 0.4 + a * size
+                        ax.add_patch(Rectangle((x0, y0), size, size, facecolor="white",
+                                               edgecolor="#bbbbbb", linewidth=0.6))  # fmt: skip
+                        if (i, j) not in kinds:
+                            continue
+                        color = _GROUP_COLORS[hop.source % len(_GROUP_COLORS)]
+                        corners = [(x0, y0), (x0, y0 + size), (x0 + size, y0 + size)]
+                        shape = (
+                            Polygon(corners, closed=True, facecolor=color, alpha=0.85)
+                            if kinds[(i, j)]
+                            else Rectangle((x0, y0), size, size, facecolor=color, alpha=0.85)
+                        )
+                        ax.add_patch(shape)
+                        ax.text(x0 + size / 2, y0 + size / 2, f"q{i}k{j}", ha="center",
+                                va="center", fontsize=6, color="black")  # fmt: skip
+                ax.text(hop.hop + 0.45, r + 0.4, f"{w:g}", ha="right", va="bottom", fontsize=7)
+        for t in range(n):
+            busiest += max(
+                schedule_work(ring_attention_schedule(n, r, causal=causal, layout=layout))[t]
+                for r in range(n)
+            )
+        ax.set_xlim(-0.5, n - 0.5)
+        ax.set_ylim(n - 0.5, -0.55)
+        ax.set_xticks(range(n), [f"hop {t}" for t in range(n)], fontsize=8)
+        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=8)
+        ax.tick_params(length=0)
+        for spine in ax.spines.values():
+            spine.set_visible(False)
+        balance = total / (n * busiest) if busiest else 1.0
+        ax.set_title(f"{layout}: {balance:.0%} of ideal", fontsize=9)
+    what = "causal" if causal else "full"
+    fig.suptitle(f"ring attention, {what}, N={n} (from ring_attention_schedule)", fontsize=10)
+    fig.tight_layout()
     return fig
