@@ -44,6 +44,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"timed trace+compile rounds (default {d.compile_repeats})",
     )  # fmt: skip
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
+    parser.add_argument(
+        "--attention", action="store_true",
+        help="instead: ring attention vs all-gather K/V, bytes and peak memory at N=4 and 8",
+    )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -70,6 +74,14 @@ def run_from_args(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if getattr(args, "attention", False):
+        from xla_permute.tools.bench.attention import format_attention_report, run_attention_bench
+
+        result = run_attention_bench()
+        print(format_attention_report(result))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2, default=str) + "\n")
+        return 0
     print_progress(f"config {asdict(config)}")
     result = run_bench(config)
     print(format_report(result))
