@@ -120,12 +120,22 @@ def _resolve_public_name(app, env, node, contnode):
         if real is None:
             qualname = getattr(obj, "__qualname__", None)
             real = f"{getattr(obj, '__module__', '')}.{qualname}" if qualname else None
-        if not real or real == target:
-            continue
+        candidates = [real] if real and real != target else []
+        last = name.rpartition(".")[2]  # data: wherever a module holds the same object
+        candidates += [
+            f"{m.__name__}.{last}"
+            for m in list(sys.modules.values())
+            if getattr(m, "__name__", "").startswith("xla_permute.")
+            and getattr(m, last, None) is obj
+            and f"{m.__name__}.{last}" != target
+        ]
         domain = env.get_domain("py")
-        found = domain.resolve_any_xref(env, node["refdoc"], app.builder, real, node, contnode)
-        if found:
-            return found[0][1]
+        for candidate in candidates:
+            found = domain.resolve_any_xref(
+                env, node["refdoc"], app.builder, candidate, node, contnode
+            )
+            if found:
+                return found[0][1]
     return None
 
 
@@ -144,19 +154,20 @@ def _test_files_directive():
 
     class TestFiles(SphinxDirective):
         def run(self):
-            lines: list[str] = []
+            out = []
             for path in sorted((_ROOT / "tests").glob("test_*.py")):
                 doc = ast.get_docstring(ast.parse(path.read_text())) or ""
                 self.env.note_dependency(str(path))
-                title = f"``tests/{path.name}``"
-                lines += [f".. _test-{path.stem}:", "", title, "-" * len(title), ""]
-                lines += [*doc.splitlines(), "", f".. dropdown:: Source of tests/{path.name}", ""]
-                lines += [f"   .. literalinclude:: /../tests/{path.name}"]
-                lines += ["      :language: python", ""]
-
-            node = nodes.container()
-            nested_parse_with_titles(self.state, StringList(lines, source="tests/"), node)
-            return node.children
+                label = f"test-{path.stem}"
+                section = nodes.section(ids=[label.replace("_", "-")], names=[label])
+                section += nodes.title(text=f"tests/{path.name}")
+                self.state.document.note_explicit_target(section)
+                body = [*doc.splitlines(), "", f".. dropdown:: Source of tests/{path.name}", ""]
+                body += [f"   .. literalinclude:: /../tests/{path.name}"]
+                body += ["      :language: python", ""]
+                nested_parse_with_titles(self.state, StringList(body, source=str(path)), section)
+                out.append(section)
+            return out
 
     return TestFiles
 

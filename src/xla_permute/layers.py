@@ -21,11 +21,16 @@ Per-rank shapes, N ranks, sequence dimension ``dim`` (default 1 of ``[batch, seq
   all-gather ring (x travels once): SwiGLU (:func:`swiglu`) or the PoC's :func:`relu_product`.
 
 ``strategy`` (every layer): ``"ring"`` (collective matmul, the default), ``"baseline"``
-(blocking upstream collective, then matmul), ``"xla"`` (the baseline's collectives, issued in
-the form the TPU compiler's own collective matmul rewrites: channel id, ``pin_layout=False``,
-global device ids; set the environment of :func:`xla_permute.hardware.tpu_collective_matmul_setup`
-before the runtime starts) or ``"auto"`` (the faster of ring and baseline by
-:func:`choose_strategy` (the cost model) for the detected chip and shape; ring off TPU/Neuron).
+(blocking upstream collective, then matmul), ``"xla"`` or ``"auto"`` (the faster of ring and
+baseline by :func:`choose_strategy` (the cost model) for the detected chip and shape; ring off
+TPU/Neuron). ``"xla"`` leaves the overlap to the TPU compiler's own collective matmul: it issues
+the baseline's collectives in the form that rewrite needs, as the upstream proof of concept does
+(one all-gather or reduce-scatter next to the matmul, a channel id, ``pin_layout=False``, global
+device ids, the reduce-scatter in the input dtype), and the rewrite fires only with the
+environment of :func:`xla_permute.hardware.tpu_collective_matmul_setup` set before torch_xla's
+first compile (in the launcher). On a TPU the first ``"xla"`` forward warns once
+(:class:`~xla_permute.hardware.HardwareWarning`) naming the variables that are missing; on
+other devices ``"xla"`` is the baseline with the reduce-scatter in the input dtype.
 ``groups``: tensor parallelism within each replica group (a ring in the group's order);
 ``world_size`` is then the group size. Empty inputs give empty outputs without a collective.
 
@@ -35,7 +40,10 @@ Backward: through the collective matmuls' own backward (see :mod:`xla_permute.ma
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+import os
+import threading
+import warnings
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -120,12 +128,48 @@ def _strategy(strategy: str | None, collective_matmul: bool | None) -> str:
     return strategy
 
 
+_XLA_WARNED: list[bool] = []  # the recipe warning was given (once per process)
+_XLA_LOCK = threading.Lock()
+
+
+def _xla_recipe_problems(device_type: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Why ``strategy="xla"`` would not get the TPU compiler's collective matmul: the recipe's
+    variables missing from ``environ`` (default: this process) on a TPU; none elsewhere."""
+    if device_type != "TPU":
+        return []
+    from xla_permute.hardware.tpu import tpu_collective_matmul_setup
+
+    env = {**(os.environ if environ is None else environ), "PJRT_DEVICE": "TPU"}
+    # Compiling already is expected by the first forward; only the variables matter here.
+    problems = tpu_collective_matmul_setup().problems(env)
+    return [p for p in problems if not p.startswith("this process has compiled")]
+
+
+def _warn_xla_recipe(device_type: str, environ: Mapping[str, str] | None = None) -> None:
+    """Warn once per process when the ``"xla"`` strategy's environment recipe is incomplete."""
+    problems = _xla_recipe_problems(device_type, environ)
+    with _XLA_LOCK:
+        if not problems or _XLA_WARNED:
+            return
+        _XLA_WARNED.append(True)
+    from xla_permute.hardware.rules import HardwareWarning
+
+    warnings.warn(
+        "strategy='xla' issues the collectives in the TPU compiler's collective-matmul form, "
+        f"but the rewrite will not fire here: {'; '.join(problems)}. Set "
+        "xp.hardware.tpu_collective_matmul_setup().env in the environment that launches "
+        "training (before torch_xla's first compile); until then 'xla' runs the baseline",
+        HardwareWarning,
+        stacklevel=4,
+    )
+
+
 _TPU_CHIPS = {"v4": "tpu-v4", "v5litepod": "tpu-v5e", "v5e": "tpu-v5e", "v5p": "tpu-v5p",
               "v6e": "tpu-v6e"}  # fmt: skip
 
 
 def _chip() -> str | None:
-    """The :data:`xla_permute.cost.CHIPS` key of this rank's accelerator, if modelled."""
+    """The ``xp.cost.CHIPS`` key of this rank's accelerator, if modelled."""
     import torch_xla.runtime as xr
 
     if xr.device_type() != "TPU":
@@ -148,7 +192,7 @@ def choose_strategy(
     chip: str | None = None,
 ) -> str:
     """``"ring"`` or ``"baseline"``: the faster by :func:`xla_permute.cost.predict` on ``chip``
-    (a key of :data:`xla_permute.cost.CHIPS`); ``"ring"`` for an unmodelled chip or an empty
+    (a key of ``xp.cost.CHIPS``); ``"ring"`` for an unmodelled chip or an empty
     shape. So the choice is never predicted slower than the better of the two."""
     if chip is None or min(m, k, n) <= 0 or n_devices < 2:
         return "ring"
@@ -226,8 +270,9 @@ class _ParallelLinear(nn.Module):
         """The older flag: ``strategy == "ring"``."""
         return self.strategy == "ring"
 
-    def _method(self, x: torch.Tensor) -> str:
-        """Check x against this layer (device, mesh) and pick ``"ring"`` or ``"baseline"``."""
+    def _method(self, x: torch.Tensor, weights: int = 1) -> str:
+        """Check x against this layer (device, mesh) and pick ``"ring"`` or ``"baseline"``
+        (``weights``: how many weights of this shape share the ring)."""
         name = type(self).__name__
         if isinstance(x, torch.Tensor) and x.device != self.weight.device:
             raise ValueError(
@@ -241,13 +286,17 @@ class _ParallelLinear(nn.Module):
                 f"{position} of a group of {size}; build it inside the rank function (or pass "
                 f"the right world_size=, rank=, groups=)"
             )
+        if self.strategy == "xla":
+            import torch_xla.runtime as xr
+
+            _warn_xla_recipe(xr.device_type())
         if self.strategy != "auto":
             return "ring" if self.strategy == "ring" else "baseline"
         op = "all_gather_matmul" if self._sharded == "out" else "matmul_reduce_scatter"
         local = x.shape[self.dim] // (1 if self._sharded == "out" else size)
         rows = x.numel() // max(x.shape[-1], 1) // max(x.shape[self.dim], 1) * local
         return choose_strategy(
-            op, m=rows, k=self.weight.shape[1], n=self.weight.shape[0], n_devices=size,
+            op, m=rows, k=self.weight.shape[1], n=self.weight.shape[0] * weights, n_devices=size,
             dtype_bytes=x.element_size(), bidirectional=self.bidirectional, chip=_chip(),
         )  # fmt: skip
 
@@ -306,7 +355,7 @@ def _column(layers: Sequence[ColumnParallelLinear], x: torch.Tensor) -> tuple[to
     first = layers[0]
     ws = [layer.weight.T for layer in layers]
     kw = dict(dim=first.dim, groups=first.groups)
-    if first._method(x) == "ring":
+    if first._method(x, len(layers)) == "ring":
         ys = all_gather_matmul(
             x, ws, bidirectional=first.bidirectional, backend=first.backend, **kw
         )
@@ -332,8 +381,9 @@ class RowParallelLinear(_ParallelLinear):
             y = matmul_reduce_scatter(
                 x, w, bidirectional=self.bidirectional, backend=self.backend, **kw
             )
-        else:
-            y = matmul_then_reduce_scatter(x, w, **kw)
+        else:  # baseline, or "xla": its reduce-scatter in the input dtype, as the PoC's
+            reduce_dtype = x.dtype if self.strategy == "xla" else None
+            y = matmul_then_reduce_scatter(x, w, reduce_dtype=reduce_dtype, **kw)
         if self.bias is None or y.numel() == 0:
             return y if self.bias is None else y + self.bias
         # The bias is whole on every rank but each rank adds it to its own rows only.

@@ -332,7 +332,9 @@ _CAVEATS: tuple[Caveat, ...] = (
             "run_on_mesh starts the mesh in a child process with XLA_THREAD_POOL_SIZE >= n."
         ),
         sources=(),
-        evidence="executed on every build in tutorial 01 (Getting started)",
+        evidence=(
+            "executed on every build in tutorials/01_getting_started.md (How the examples run)"
+        ),
     ),
     Caveat(
         id="cpu-channel-ids",
@@ -351,7 +353,9 @@ _CAVEATS: tuple[Caveat, ...] = (
             "and select) on CPU."
         ),
         sources=(),
-        evidence="executed on every build in tutorial 01 (Getting started)",
+        evidence=(
+            "executed on every build in tutorials/01_getting_started.md (How the examples run)"
+        ),
     ),
     Caveat(
         id="gpu-removed",
