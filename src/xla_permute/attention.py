@@ -274,7 +274,11 @@ def _ring_backward(
             q_b, do_b = q[:, :, :, qs], dout[:, :, :, qs]
             s = _scores(q_b, kk[:, :, ks], plan.scale, block.causal)
             p = torch.exp(s - lse[:, :, :, qs, None])
-            ds = p * (_rows_t(do_b, vv[:, :, ks]) - delta[:, :, :, qs, None]) * plan.scale
+            ds = (
+                p
+                * (_scores(do_b, vv[:, :, ks], 1.0, False) - delta[:, :, :, qs, None])
+                * plan.scale
+            )
             first_k = theirs.index(block.k_chunks[0])
             _add(dv, first_k, _cols(p, do_b), size, 2)
             _add(dk, first_k, _cols(ds, q_b), size, 2)
@@ -287,12 +291,6 @@ def _ring_backward(
     )  # the N-th permute: home to the owner
     grad_q = torch.cat([torch.zeros_like(q[:, :, :, :size]) if d is None else d for d in dq], 3)
     return grad_q, dkv[0], dkv[1]
-
-
-def _rows_t(do: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """``dout v^T``: ``[B, Hkv, G, m, D]``, ``[B, Hkv, n, D]`` -> ``[B, Hkv, G, m, n]``."""
-    b, h, g, m, d = do.shape
-    return (do.reshape(b, h, g * m, d) @ v.transpose(-1, -2)).view(b, h, g, m, -1)
 
 
 class _RingAttention(torch.autograd.Function):
