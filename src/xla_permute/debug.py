@@ -17,7 +17,7 @@ inside :func:`xla_permute.hlo.tracing` (traced, never run) it is skipped. Only t
 op is checked: its backward follows from it.
 
 The signature has a fixed length for a given world size (the all-gather itself must agree):
-``FIELDS`` fields of ``2 + payload`` int64 values each. Strings are CRC-32 codes (``zlib``,
+``FIELDS`` fields of ``2 + payload`` int32 values each. Strings are CRC-32 codes (``zlib``,
 deterministic across processes), integer tuples travel raw, so the message can show them.
 
 >>> rows = [signature("op", {"x.shape": s}, world_size=2) for s in [(2, 3), (3, 3)]]
@@ -56,6 +56,7 @@ _OFF = {"", "0", "false", "off", "no"}
 FIELDS = 12
 _CHANNEL = 1
 _MAGIC = 0x5850  # "XP"
+_INT32_MAX = 2**31 - 1
 _NONE, _INT, _BOOL, _INTS, _PAIRS, _GROUPS, _TEXT = range(7)
 
 _local = threading.local()  # per rank: the ranks of the CPU mesh are threads of one process
@@ -97,13 +98,13 @@ def debug_mode(enabled: bool = True) -> Iterator[None]:
 
 
 def _crc(text: str) -> int:
-    code = zlib.crc32(text.encode())
+    code = zlib.crc32(text.encode()) & _INT32_MAX  # 31 bits: the signature travels as int32
     _names.setdefault(code, text)
     return code
 
 
 def signature_length(world_size: int) -> int:
-    """Int64 values per signature: a header and ``FIELDS`` fields of ``2 + payload``."""
+    """Int32 values per signature: a header and ``FIELDS`` fields of ``2 + payload``."""
     return 2 + FIELDS * (2 + _payload(world_size))
 
 
@@ -117,13 +118,13 @@ def _encode(value: Any, size: int) -> tuple[int, list[int]]:
         return _NONE, []
     if isinstance(value, bool):
         return _BOOL, [int(value)]
-    if isinstance(value, int):
+    if isinstance(value, int) and -_INT32_MAX <= value <= _INT32_MAX:
         return _INT, [value]
     if isinstance(value, str):
         return _TEXT, [_crc(value)]
     if isinstance(value, Sequence) and all(isinstance(v, int) for v in value):
         ints = [int(v) for v in value]
-        if len(ints) + 1 <= size:
+        if len(ints) + 1 <= size and all(abs(v) <= _INT32_MAX for v in ints):
             return _INTS, [len(ints), *ints]
     if isinstance(value, Sequence) and all(isinstance(p, Sequence) for p in value):
         flat = [int(v) for p in value for v in p]
@@ -237,7 +238,8 @@ def check_agreement(op: str, fields: Mapping[str, Any], *, error: Exception | No
     token = torch_xla._XLAC._get_all_reduce_token(context)
     torch_xla._XLAC._set_all_reduce_token(context, None)
     try:
-        mine = torch.tensor([row], dtype=torch.int64).to(device)
+        # int32: Neuron's collectives take no 64-bit types (hardware caveat neuron-no-64bit)
+        mine = torch.tensor([row], dtype=torch.int32).to(device)
         gathered = xm.all_gather(
             mine,
             dim=0,
