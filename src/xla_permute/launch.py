@@ -56,7 +56,10 @@ _MISMATCH_HINT = (
     "device count. Run with XLA_PERMUTE_DEBUG=1 to check, before every collective of "
     "xla_permute, that the ranks agree. In a step loop, keep the step's results alive until "
     "after torch_xla.sync() (or sync before deleting them), so that every rank executes the "
-    "same programs."
+    "same programs. A bare xm.wait_device_ops() inside a rank waits for all devices and "
+    "aborts the CPU mesh; wait for this rank's device only: "
+    "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()])) (the device's real name, "
+    "e.g. 'CPU:0'; its 'xla:0' name is refused)."
 )
 
 #: Variables that the mesh sets itself; ``env`` may not contradict them.
