@@ -130,8 +130,10 @@ def test_tiny_matrices_collective_matmul_no_better_than_baseline_plus_latency(ke
     base = cost.baseline_time(chip, work)
     uni = cost.collective_matmul_time(chip, work)
     step = cost.matmul_time(chip, 1, 1, 1)
-    # Collective matmul can at most hide its (negligible) math; it pays latency per round.
-    extra = (n - 1) * (chip.hop_latency + chip.collective_overhead)
+    # Collective matmul can at most hide its (negligible) math; it pays latency per round, and
+    # on an axis without wraparound (v5e/v6e below 16) its wrap pair crosses the line: N-1 hops.
+    hops = 1 if work.wraps(chip) else n - 1
+    extra = (n - 1) * (hops * chip.hop_latency + chip.collective_overhead)
     assert base - n * step <= uni <= base + extra + n * step
     assert cost.speedup(chip, work) <= 1.0 + 1e-5
     if n > 2:  # more rounds than the baseline's single bidirectional all-gather
@@ -152,7 +154,7 @@ def test_overlapped_time_tends_to_max_of_math_and_comm(key, bidirectional):
 @pytest.mark.parametrize("n", [3, 4, 5, 7, 8])
 def test_bidirectional_halves_the_comm_term_on_a_full_ring(n):
     chip = CHIPS["tpu-v5p"]
-    work = Workload(m=4096, k=4096, n=8, n_devices=n)
+    work = Workload(m=4096, k=4096, n=8, n_devices=n, wraparound=True)  # a full ring
     uni, bi = cost.predict(chip, work, "uni"), cost.predict(chip, work, "bi")
     expected = 0.5 if n % 2 else n / (2 * (n - 1))
     assert bi.comm / uni.comm == pytest.approx(expected)
@@ -165,7 +167,7 @@ def test_bidirectional_halves_the_comm_term_on_a_full_ring(n):
 
 def test_comm_dominated_bidirectional_is_about_twice_as_fast():
     chip = no_latency(CHIPS["tpu-v6e"])
-    work = Workload(m=2**14, k=2**14, n=1, n_devices=9)
+    work = Workload(m=2**14, k=2**14, n=1, n_devices=9, wraparound=True)  # a full ring
     assert cost.speedup(chip, work, bidirectional=True) / cost.speedup(chip, work) == (
         pytest.approx(2.0, rel=0.05)
     )
@@ -175,13 +177,58 @@ def test_reduce_scatter_is_the_time_reverse_of_all_gather():
     chip = CHIPS["trn1"]
     for method in ("baseline", "uni", "bi"):
         ag = cost.predict(chip, Workload(m=512, k=2048, n=2048, n_devices=6), method)
-        rs = cost.predict(
-            chip, Workload(m=512, k=2048, n=2048, n_devices=6, op="matmul_reduce_scatter"), method
-        )
-        assert rs == ag
-    # What travels differs: x blocks (m x k) versus partial sums (m x n).
+        rs = Workload(m=512, k=2048, n=2048, n_devices=6, op="matmul_reduce_scatter",
+                      reduce_dtype_bytes=2)  # fmt: skip
+        assert cost.predict(chip, rs, method) == ag
+    # What travels differs: x blocks (m x k) versus partial sums (m x n), float32 by default.
     rs_narrow = Workload(m=512, k=2048, n=64, n_devices=6, op="matmul_reduce_scatter")
-    assert rs_narrow.block_bytes == 512 * 64 * 2
+    assert rs_narrow.block_bytes == 512 * 64 * 4
+    assert dataclasses.replace(rs_narrow, reduce_dtype_bytes=2).block_bytes == 512 * 64 * 2
+
+
+@pytest.mark.parametrize(
+    "dtype, reduce_dtype",
+    [("bfloat16", None), ("float16", None), ("bfloat16", "bfloat16"), ("float32", None),
+     ("float32", "float64"), ("float64", None), ("bfloat16", "float32")],
+)  # fmt: skip
+def test_partial_sum_bytes_are_what_the_code_sends(dtype, reduce_dtype):
+    # One source of truth: the model's bytes per partial sum come from the code's own rule.
+    import torch
+
+    from xla_permute.matmul import partial_sum_dtype
+
+    dt = getattr(torch, dtype)
+    rd = None if reduce_dtype is None else getattr(torch, reduce_dtype)
+    sent = partial_sum_dtype(dt, rd).itemsize
+    rd_bytes = None if rd is None else rd.itemsize
+    assert cost.partial_sum_bytes(dt.itemsize, rd_bytes) == sent
+    work = Workload(m=8, k=4, n=16, n_devices=4, dtype_bytes=dt.itemsize,
+                    op="matmul_reduce_scatter", reduce_dtype_bytes=rd_bytes)  # fmt: skip
+    assert work.block_bytes == 8 * 16 * sent
+    assert cost.partial_sum_bytes(2) == 4  # bf16 partial sums travel as float32 by default
+    with pytest.raises(ValueError, match="reduce_dtype_bytes must be one of"):
+        Workload(m=8, k=4, n=16, n_devices=4, reduce_dtype_bytes=3)
+
+
+@pytest.mark.parametrize("key", ["tpu-v5e", "tpu-v6e"])
+def test_v5e_and_v6e_wrap_round_only_on_a_full_axis_of_16(key):
+    chip = CHIPS[key]
+    assert chip.wraparound_axis == 16 and "16" in chip.sources["wraparound_axis"]
+    assert [chip.wraparound(n) for n in (2, 4, 8, 16)] == [False, False, False, True]
+    for n in (4, 8):  # the default is the chip's: a line, one direction, N-1 hops per round
+        work = Workload(m=1024, k=1024, n=1024, n_devices=n)
+        assert not work.wraps(chip)
+        line = dataclasses.replace(work, wraparound=False)
+        for method in ("baseline", "uni", "bi"):
+            assert cost.predict(chip, work, method) == cost.predict(chip, line, method)
+        ring = dataclasses.replace(work, wraparound=True)
+        assert (
+            cost.predict(chip, ring, "baseline").total < cost.predict(chip, work, "baseline").total
+        )
+    assert Workload(m=1, k=1, n=1, n_devices=16).wraps(chip)
+    for other in ("tpu-v4", "tpu-v5p"):  # v4p/v5p: axes that are multiples of 4 wrap round
+        assert CHIPS[other].wraparound(4) and CHIPS[other].wraparound(8)
+    assert CHIPS["trn2"].wraparound(4) and CHIPS["h100"].wraparound(3)
 
 
 def test_one_device_is_a_plain_matmul():

@@ -93,15 +93,26 @@ def _dim(x: object, dim: object, op: str) -> int:
     return dim % x.dim()
 
 
+def _agree(op: str, x: torch.Tensor, dim: int, groups: list[list[int]]) -> None:
+    """Debug mode (:mod:`xla_permute.debug`): every rank passes the same shape, dtype, dim and
+    groups, and its own device; else raise on every rank before the collective."""
+    from xla_permute import debug
+    from xla_permute.permute import device_error
+
+    fields = {"x.shape": tuple(x.shape), "x.dtype": str(x.dtype), "dim": dim, "groups": groups}
+    debug.check_agreement(op, fields, error=device_error(x))
+
+
 def all_gather(x: torch.Tensor, dim: int, *, groups: Groups = None) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; backward: reduce-scatter of the gradient.
 
     Per rank: ``[..., m, ...] -> [..., N*m, ...]`` (``m`` at ``dim``, ``N`` the group size;
     block ``j`` is the ``j``-th rank of the group). An empty x gives the empty result without a
-    collective.
+    collective. In debug mode the ranks first check that they agree (:mod:`xla_permute.debug`).
     """
     dim = _dim(x, dim, "all_gather")
     checked = _groups(groups)
+    _agree("all_gather", x, dim, checked)
     if x.numel() == 0:
         return torch.cat([x] * len(checked[0]), dim)
     return _AllGather.apply(x, dim, checked)
@@ -112,7 +123,8 @@ def reduce_scatter(x: torch.Tensor, dim: int, *, groups: Groups = None) -> torch
 
     Per rank: ``[..., N*m, ...] -> [..., m, ...]``; ``x.shape[dim]`` must divide by the group
     size N; the ``j``-th rank of a group gets block ``j``. An empty x gives the empty result
-    without a collective.
+    without a collective. In debug mode the ranks first check that they agree
+    (:mod:`xla_permute.debug`).
     """
     dim = _dim(x, dim, "reduce_scatter")
     checked = _groups(groups)
@@ -122,6 +134,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, *, groups: Groups = None) -> torch
             f"reduce_scatter: x.shape[{dim}] = {x.shape[dim]} is not divisible by the {n} ranks "
             f"of the group; pad it to a multiple of {n}"
         )
+    _agree("reduce_scatter", x, dim, checked)
     if x.numel() == 0:
         import torch_xla.runtime as xr
 

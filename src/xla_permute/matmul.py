@@ -268,6 +268,30 @@ class _RingMatmul(torch.autograd.Function):
         return None, dx, *dws
 
 
+def _agree(
+    op: str, x: torch.Tensor, ws: list[torch.Tensor], dim: int, ring: tuple, **opts: Any
+) -> None:
+    """Debug mode (:mod:`xla_permute.debug`): every rank of the world passes the same shapes,
+    dtypes, dim, groups and options, each on its own device; else raise on every rank before
+    the first collective (and before the shortcut for empty inputs)."""
+    from xla_permute import debug
+    from xla_permute.permute import device_error
+
+    shapes = tuple(ws[0].shape) if len(ws) == 1 else tuple(tuple(w.shape) for w in ws)
+    fields = {
+        "x.shape": tuple(x.shape),
+        "x.dtype": str(x.dtype),
+        "w.shape": shapes,
+        "w.dtype": str(ws[0].dtype),
+        "dim": dim,
+        "groups": ring[2],
+        **{name: (str(v) if isinstance(v, torch.dtype) else v) for name, v in opts.items()},
+    }
+    errors = [device_error(x), *(device_error(w, "w") for w in ws)]
+    error = next((e for e in errors if e is not None), None)
+    debug.check_agreement(op, fields, error=error)
+
+
 def _empty_or_single(x: torch.Tensor, ws: list[torch.Tensor], ring: tuple) -> bool:
     return ring[0] == 1 or x.numel() == 0 or any(w.numel() == 0 for w in ws)
 
@@ -304,6 +328,7 @@ def all_gather_matmul(
     ring = ring_of(groups)
     dim = _check(x, ws, dim, "all_gather_matmul", False, ring[0])
     chosen = resolve_backend(backend)
+    _agree("all_gather_matmul", x, ws, dim, ring, bidirectional=bool(bidirectional), backend=chosen)
     if _empty_or_single(x, ws, ring):
         ys = tuple(torch.cat([x @ wi] * ring[0], dim) if ring[0] > 1 else x @ wi for wi in ws)
     else:
@@ -347,6 +372,10 @@ def matmul_reduce_scatter(
     dim = _check(x, [w], dim, "matmul_reduce_scatter", True, ring[0])
     acc = partial_sum_dtype(x.dtype, reduce_dtype)
     chosen = resolve_backend(backend)
+    _agree(
+        "matmul_reduce_scatter", x, [w], dim, ring,
+        bidirectional=bool(bidirectional), reduce_dtype=acc, backend=chosen,
+    )  # fmt: skip
     if _empty_or_single(x, [w], ring):
         return _block(x @ w, ring[1], ring[0], dim)
     return _RingMatmul.apply((dim, _Ring(*ring, chosen, bool(bidirectional)), False, acc), x, w)
@@ -358,6 +387,7 @@ def all_gather_then_matmul(x: torch.Tensor, w: Weights, *, dim: int, groups: Gro
     ws, single = _as_weights(w, "all_gather_then_matmul")
     ring = ring_of(groups)
     dim = _check(x, ws, dim, "all_gather_then_matmul", False, ring[0])
+    _agree("all_gather_then_matmul", x, ws, dim, ring)
     if _empty_or_single(x, ws, ring):
         ys = tuple(torch.cat([x @ wi] * ring[0], dim) for wi in ws)
     else:
@@ -379,6 +409,7 @@ def matmul_then_reduce_scatter(
     ring = ring_of(groups)
     dim = _check(x, [w], dim, "matmul_then_reduce_scatter", True, ring[0])
     acc = partial_sum_dtype(x.dtype, reduce_dtype)
+    _agree("matmul_then_reduce_scatter", x, [w], dim, ring, reduce_dtype=acc)
     if _empty_or_single(x, [w], ring):
         return _block(x @ w, ring[1], ring[0], dim)
     return collectives.reduce_scatter(x.to(acc) @ w.to(acc), dim, groups=groups).to(x.dtype)

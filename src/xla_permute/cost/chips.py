@@ -52,6 +52,7 @@ _FIGURES = (
     "link_bandwidth",
     "links_per_neighbor",
     "ring_directions",
+    "wraparound_axis",
     "hop_latency",
     "collective_overhead",
     "hbm_bandwidth",
@@ -67,7 +68,10 @@ class Chip:
     one way. ``links_per_neighbor``: links joining two ring neighbours. ``ring_directions``: 2
     when a device reaches its left and right ring neighbours over separate full-duplex links
     (a torus axis), 1 when one egress serves every peer (a switch: sending both ways splits it).
-    ``switched``: every pair is one hop (no wraparound question). ``hop_latency``: seconds paid
+    ``wraparound_axis``: a ring over an axis of N devices closes with a wraparound link when N
+    is a multiple of it (16 on v5e/v6e: only a full axis; 4 on v4p/v5p; 1: every ring closes);
+    :meth:`wraparound` applies it. ``switched``: every pair is one hop (no wraparound question).
+    ``hop_latency``: seconds paid
     per communication round. ``collective_overhead``: fixed seconds per collective op issued
     (the baseline issues one; collective matmul one per round). ``hbm_bandwidth``: bytes/s.
     ``flops_efficiency``: achievable fraction of ``peak_flops``. ``assumptions`` names the
@@ -79,6 +83,7 @@ class Chip:
     link_bandwidth: float
     links_per_neighbor: int
     ring_directions: int
+    wraparound_axis: int
     hop_latency: float
     collective_overhead: float
     hbm_bandwidth: float
@@ -96,6 +101,19 @@ class Chip:
             raise ValueError(f"Chip {self.name!r}: assumptions names unknown figures {unknown}")
         if self.ring_directions not in (1, 2):
             raise ValueError(f"Chip {self.name!r}: ring_directions must be 1 or 2")
+        if isinstance(self.wraparound_axis, bool) or not (
+            isinstance(self.wraparound_axis, int) and self.wraparound_axis >= 1
+        ):
+            raise ValueError(f"Chip {self.name!r}: wraparound_axis must be an int >= 1")
+
+    def wraparound(self, n_devices: int) -> bool:
+        """Whether a ring of ``n_devices`` on one axis has a wraparound link (a switched chip:
+        always, every pair is one hop).
+
+        >>> CHIPS["tpu-v6e"].wraparound(8), CHIPS["tpu-v6e"].wraparound(16)
+        (False, True)
+        """
+        return self.switched or n_devices % self.wraparound_axis == 0
 
     @property
     def neighbor_bandwidth(self) -> float:
@@ -118,7 +136,7 @@ _TPU_EFFICIENCY = "no published achieved fraction used: ideal roofline (assumpti
 _TPU_OVERHEAD = 8e-6 - 3 * (64 * 256 * 2 / 4.5e10 + 1e-6)
 
 
-def _tpu(name: str, peak: float, link: float, hbm: float) -> Chip:
+def _tpu(name: str, peak: float, link: float, hbm: float, wraparound_axis: int) -> Chip:
     table = f"{SCALING_BOOK_TPUS} (TPU Specs table)"
     return Chip(
         name=name,
@@ -126,6 +144,7 @@ def _tpu(name: str, peak: float, link: float, hbm: float) -> Chip:
         link_bandwidth=link,
         links_per_neighbor=1,
         ring_directions=2,
+        wraparound_axis=wraparound_axis,
         hop_latency=1e-6,
         collective_overhead=_TPU_OVERHEAD,
         hbm_bandwidth=hbm,
@@ -135,7 +154,12 @@ def _tpu(name: str, peak: float, link: float, hbm: float) -> Chip:
             "links_per_neighbor": f"{table}: one ICI link per torus neighbour",
             "ring_directions": (
                 f"{table}: bidirectional ring only with a wraparound link (full axis of 16 on "
-                "v5e/v6e, multiples of 4 on v4p/v5p); pass wraparound=False otherwise"
+                "v5e/v6e, multiples of 4 on v4p/v5p); without one a ring runs one way"
+            ),
+            "wraparound_axis": (
+                f"{SCALING_BOOK_TPUS}: v5e and v6e (Trillium) pods are one 16x16 2D torus with "
+                "wraparound links only on a full axis of 16 (an axis of 4 or 8 has none); "
+                "v4p/v5p have wraparound on axes that are multiples of 4 (full 4x4x4 cubes)"
             ),
             "hop_latency": _BOOK_LATENCY,
             "collective_overhead": (
@@ -170,16 +194,17 @@ def _neuron_link(total: str, links: str) -> str:
 
 
 CHIPS: dict[str, Chip] = {
-    "tpu-v4": _tpu("TPU v4p", 2.75e14, 4.5e10, 1.2e12),
-    "tpu-v5e": _tpu("TPU v5e", 1.97e14, 4.5e10, 8.1e11),
-    "tpu-v5p": _tpu("TPU v5p", 4.59e14, 9e10, 2.8e12),
-    "tpu-v6e": _tpu("TPU v6e", 9.20e14, 9e10, 1.6e12),
+    "tpu-v4": _tpu("TPU v4p", 2.75e14, 4.5e10, 1.2e12, wraparound_axis=4),
+    "tpu-v5e": _tpu("TPU v5e", 1.97e14, 4.5e10, 8.1e11, wraparound_axis=16),
+    "tpu-v5p": _tpu("TPU v5p", 4.59e14, 9e10, 2.8e12, wraparound_axis=4),
+    "tpu-v6e": _tpu("TPU v6e", 9.20e14, 9e10, 1.6e12, wraparound_axis=16),
     "trn1": Chip(
         name="Trainium (Trn1)",
         peak_flops=190e12,
         link_bandwidth=384 * 2**30 / 4 / 2,
         links_per_neighbor=1,
         ring_directions=2,
+        wraparound_axis=1,
         hop_latency=1.5e-6,
         collective_overhead=1.5e-6,
         hbm_bandwidth=820 * 2**30,
@@ -194,6 +219,7 @@ CHIPS: dict[str, Chip] = {
             ),
             "links_per_neighbor": f"{NEURON_TRN1_ARCH}: 2D torus, one link per neighbour",
             "ring_directions": f"{NEURON_TRN1_ARCH}: 2D torus (rings have wraparound)",
+            "wraparound_axis": f"{NEURON_TRN1_ARCH}: 2D torus: every ring closes (1)",
             "hop_latency": _NEURON_LATENCY,
             "collective_overhead": _NEURON_OVERHEAD,
             "hbm_bandwidth": (
@@ -209,6 +235,7 @@ CHIPS: dict[str, Chip] = {
         link_bandwidth=1.28e12 / 4 / 2,
         links_per_neighbor=1,
         ring_directions=2,
+        wraparound_axis=1,
         hop_latency=1.5e-6,
         collective_overhead=1.5e-6,
         hbm_bandwidth=2.9e12,
@@ -221,6 +248,7 @@ CHIPS: dict[str, Chip] = {
             ),
             "links_per_neighbor": f"{NEURON_TRN2_ARCH}: 4x4 2D torus, one link per neighbour",
             "ring_directions": f"{NEURON_TRN2_ARCH}: '4x4, 2D Torus topology'",
+            "wraparound_axis": f"{NEURON_TRN2_ARCH}: 2D torus: every ring closes (1)",
             "hop_latency": _NEURON_LATENCY,
             "collective_overhead": _NEURON_OVERHEAD,
             "hbm_bandwidth": f"{NEURON_TRAINIUM2_ARCH}: '96 GiB ... with 2.9 TB/sec'",
@@ -234,6 +262,7 @@ CHIPS: dict[str, Chip] = {
         link_bandwidth=25e9,
         links_per_neighbor=18,
         ring_directions=1,
+        wraparound_axis=1,
         hop_latency=6e-6,
         collective_overhead=0.0,
         hbm_bandwidth=3.35e12,
@@ -252,6 +281,7 @@ CHIPS: dict[str, Chip] = {
             "ring_directions": (
                 f"{SCALING_BOOK_GPUS}: one 450 GB/s egress shared by all peers (switch)"
             ),
+            "wraparound_axis": f"{SCALING_BOOK_GPUS}: NVSwitch, every pair one hop (1)",
             "hop_latency": (
                 f"{JAX_MGPU_COLLECTIVE_MATMUL}: 'adding about 6us for each round of "
                 "communication (the memory fences associated with the synchronization are "

@@ -8,7 +8,9 @@ all-gather-matmul, x is an ``m x k`` shard (the gathered operand, gathered along
 local ``k x n`` block; the rank computes ``AllGather(x) @ w``, ``(N m) x n``. For
 matmul-reduce-scatter, x is ``(N m) x k`` (k is the sharded, contracted dimension), w is
 ``k x n``, and the rank ends with its ``m x n`` block of the sum. ``b`` is bytes per element
-of what travels.
+of what travels: the input's for all-gather-matmul; for matmul-reduce-scatter the partial sums'
+(:attr:`Workload.partial_sum_bytes`: float32 for bf16 inputs by default, the rule of
+:func:`xla_permute.matmul.partial_sum_dtype` that the code sends with).
 
 **Symbols.** ``R = peak * efficiency`` (FLOP/s), ``H`` HBM bandwidth, ``W = link_bandwidth *
 links_per_neighbor`` (bytes/s, one way, towards one ring neighbour), ``L`` per-hop latency,
@@ -19,7 +21,9 @@ links_per_neighbor`` (bytes/s, one way, towards one ring neighbour), ``L`` per-h
 * Ring collective (all-gather or reduce-scatter of N blocks of S bytes) as XLA or NCCL run it,
   one op: ``T_coll = ceil((N - 1) / d) * (S / W + L) + O``, with ``d = 2`` when the ring has a
   wraparound link and separate links to both neighbours (``ring_directions == 2``), else
-  ``d = 1`` (a line without wraparound, or one switch egress shared by all peers).
+  ``d = 1`` (a line without wraparound, or one switch egress shared by all peers). Whether an
+  axis of N devices wraps round is the chip's (:meth:`~xla_permute.cost.Chip.wraparound`:
+  on TPU v5e/v6e only a full axis of 16 does) unless the workload says.
 * Baseline: ``T_base = T_coll + T_mm(N m, k, n)`` (blocking gather then one matmul; for
   reduce-scatter, one matmul then the blocking scatter).
 * Collective matmul: rounds ``r = 1..Rn``; round r moves ``beta_r`` blocks (unidirectional:
@@ -71,6 +75,7 @@ __all__ = [
     "directions",
     "link_time",
     "matmul_time",
+    "partial_sum_bytes",
     "predict",
     "ring_collective_time",
     "speedup",
@@ -86,7 +91,11 @@ _METHODS = ("baseline", "uni", "bi")
 class Workload:
     """Per-rank shapes of one collective matmul (see the module docstring for the layout).
 
-    ``wraparound``: the ring's axis has a wraparound link (ignored on switched chips).
+    ``dtype_bytes``: bytes per element of x and w. ``reduce_dtype_bytes``: bytes per element
+    of matmul-reduce-scatter's partial sums (``reduce_dtype``); None: what the code sends by
+    default (:attr:`partial_sum_bytes`). ``wraparound``: the ring's axis has a wraparound
+    link (ignored on switched chips); None: the chip's rule for ``n_devices``
+    (:meth:`~xla_permute.cost.Chip.wraparound`).
     """
 
     m: float
@@ -95,7 +104,8 @@ class Workload:
     n_devices: int
     dtype_bytes: float = 2
     op: Op = "all_gather_matmul"
-    wraparound: bool = True
+    wraparound: bool | None = None
+    reduce_dtype_bytes: float | None = None
 
     def __post_init__(self) -> None:
         for name in ("m", "k", "n", "dtype_bytes"):
@@ -108,12 +118,24 @@ class Workload:
             raise ValueError(f"Workload: n_devices must be >= 1, got {self.n_devices}")
         if self.op not in _OPS:
             raise ValueError(f"Workload: op must be one of {_OPS}, got {self.op!r}")
+        if self.reduce_dtype_bytes is not None:
+            partial_sum_bytes(self.dtype_bytes, self.reduce_dtype_bytes)  # checks it
+
+    @property
+    def partial_sum_bytes(self) -> float:
+        """Bytes per partial-sum element matmul-reduce-scatter sends (:func:`partial_sum_bytes`)."""
+        return partial_sum_bytes(self.dtype_bytes, self.reduce_dtype_bytes)
 
     @property
     def block_bytes(self) -> float:
         """``S``: bytes that travel per step (x block, or partial-sum block)."""
-        width = self.k if self.op == "all_gather_matmul" else self.n
-        return self.m * width * self.dtype_bytes
+        if self.op == "all_gather_matmul":
+            return self.m * self.k * self.dtype_bytes
+        return self.m * self.n * self.partial_sum_bytes
+
+    def wraps(self, chip: Chip) -> bool:
+        """Whether this workload's ring closes on ``chip``: ``wraparound``, else the chip's."""
+        return chip.wraparound(self.n_devices) if self.wraparound is None else self.wraparound
 
 
 @dataclass(frozen=True)
@@ -126,6 +148,37 @@ class Prediction:
     math: float
     comm: float
     latency: float
+
+
+#: The floating dtype of each element size (the cost model counts bytes, the code has dtypes).
+_FLOAT_OF_SIZE = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32", 8: "float64"}
+
+
+def partial_sum_bytes(dtype_bytes: float, reduce_dtype_bytes: float | None = None) -> float:
+    """Bytes per element of the partial sums matmul-reduce-scatter (and its baseline) send.
+
+    The rule is the code's own, :func:`xla_permute.matmul.partial_sum_dtype` (one source of
+    truth): ``reduce_dtype_bytes`` if given, else float32's 4 bytes for half-precision (2-byte)
+    inputs and the input's size otherwise.
+
+    >>> partial_sum_bytes(2), partial_sum_bytes(2, 2), partial_sum_bytes(4)
+    (4, 2, 4)
+    """
+    import torch
+
+    from xla_permute.matmul import partial_sum_dtype
+
+    def as_dtype(nbytes: float, name: str) -> torch.dtype:
+        if nbytes not in _FLOAT_OF_SIZE:
+            raise ValueError(f"{name} must be one of {sorted(_FLOAT_OF_SIZE)}, got {nbytes!r}")
+        return getattr(torch, _FLOAT_OF_SIZE[int(nbytes)])
+
+    if dtype_bytes not in _FLOAT_OF_SIZE:  # no float of that size: nothing is widened
+        return reduce_dtype_bytes if reduce_dtype_bytes is not None else dtype_bytes
+    reduce = (
+        None if reduce_dtype_bytes is None else as_dtype(reduce_dtype_bytes, "reduce_dtype_bytes")
+    )
+    return partial_sum_dtype(as_dtype(dtype_bytes, "dtype_bytes"), reduce).itemsize
 
 
 def matmul_time(
@@ -157,14 +210,17 @@ def link_time(chip: Chip, nbytes: float) -> float:
 
 
 def ring_collective_time(
-    chip: Chip, block_bytes: float, n_devices: int, *, wraparound: bool = True
+    chip: Chip, block_bytes: float, n_devices: int, *, wraparound: bool | None = None
 ) -> float:
     """All-gather or reduce-scatter of ``n_devices`` blocks of ``block_bytes`` over one ring axis.
 
     ``T_coll = ceil((N - 1) / d) * (S / W + L) + O``: a bidirectional ring (``d = 2``) needs
     half the rounds; a line without wraparound, or a switch egress, has ``d = 1``. Equals the
-    scaling book's ``V / W_bidi`` for large blocks on a full ring.
+    scaling book's ``V / W_bidi`` for large blocks on a full ring. ``wraparound=None``: the
+    chip's rule for ``n_devices`` (:meth:`~xla_permute.cost.Chip.wraparound`).
     """
+    if wraparound is None:
+        wraparound = chip.wraparound(n_devices)
     d = directions(chip, wraparound)
     if n_devices == 1:
         return 0.0
@@ -189,7 +245,7 @@ def predict(
         full = matmul_time(
             chip, N * work.m, work.k, work.n, work.dtype_bytes, efficiency=efficiency
         )
-        d = directions(chip, work.wraparound)
+        d = directions(chip, work.wraps(chip))
         rounds = math.ceil((N - 1) / d)
         comm = rounds * S / W
         lat = rounds * chip.hop_latency + (chip.collective_overhead if N > 1 else 0.0)
@@ -197,11 +253,11 @@ def predict(
     step = matmul_time(chip, work.m, work.k, work.n, work.dtype_bytes, efficiency=efficiency)
     # Blocks received per round: one per round one way, or up to two (one from each side).
     blocks = [1] * (N - 1) if method == "uni" else [2] * ((N - 1) // 2) + [1] * ((N - 1) % 2)
-    d = directions(chip, work.wraparound)
+    d = directions(chip, work.wraps(chip))
     one = link_time(chip, S)  # two blocks on one link direction take twice as long
     transfers = [one if (b == 1 or d == 2) else 2 * one for b in blocks]
     computes = [step] + [b * step for b in blocks]
-    hops = 1 if (work.wraparound or chip.switched) else N - 1
+    hops = 1 if (work.wraps(chip) or chip.switched) else N - 1
     lat = len(blocks) * (hops * chip.hop_latency + chip.collective_overhead)
     total = sum(max(c, t) for c, t in zip(computes[:-1], transfers, strict=True))
     total += lat + computes[-1]
@@ -247,7 +303,7 @@ def crossover(
     bidirectional: bool = False,
     op: Op = "all_gather_matmul",
     dtype_bytes: float = 2,
-    wraparound: bool = True,
+    wraparound: bool | None = None,
     vary: Literal["all", "m", "k", "n"] = "all",
     shape: tuple[float, float, float] = (1024, 1024, 1024),
     lo: float = 1.0,
@@ -262,7 +318,8 @@ def crossover(
     ``rtol``) between it and the next scanned size, where the speedup is back at >= 1. Returns
     ``lo`` if collective matmul pays on the whole range and ``math.inf`` if it does not pay
     at ``hi``. With ``vary="k"`` the bandwidth-to-math ratio does not depend on ``k``; only
-    latency and w re-reads move the result.
+    latency and w re-reads move the result. ``wraparound=None``: the chip's rule for
+    ``n_devices``.
     """
     if vary not in ("all", "m", "k", "n"):
         raise ValueError(f"vary must be 'all', 'm', 'k' or 'n', got {vary!r}")
@@ -300,7 +357,8 @@ def crossover_table(
     op: Op = "all_gather_matmul",
     dtype_bytes: float = 2,
 ) -> list[dict[str, object]]:
-    """Square-problem crossover sizes (``m = k = n = s``, full rings) per chip, N and direction."""
+    """Square-problem crossover sizes (``m = k = n = s``) per chip, N and direction; each ring
+    wraps round as the chip's axis of N does (:meth:`~xla_permute.cost.Chip.wraparound`)."""
     rows = []
     for name in chips:
         for n in n_devices:
