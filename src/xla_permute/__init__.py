@@ -52,12 +52,16 @@ from xla_permute.pairs import (
 from xla_permute.permute import collective_permute
 from xla_permute.pipeline import Schedule, gpipe_schedule, pipeline_forward, pipeline_groups
 
-# Ring schedules of collective matmul, as data
+# Ring schedules of collective matmul and ring attention, as data
 from xla_permute.schedule import (
+    AttentionBlock,
+    AttentionHop,
     RingStep,
     all_gather_schedule,
     reduce_scatter_schedule,
+    ring_attention_schedule,
     ring_steps,
+    schedule_work,
 )
 
 # Split a sequence over ranks and put it back (host, pure torch)
@@ -95,45 +99,50 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
-    "ColumnParallelLinear",
-    "Decomposition",
-    "DisagreementError",
-    "GatedMLP",
-    "MeshError",
-    "RankError",
-    "RingStep",
-    "RowParallelLinear",
-    "Schedule",
-    "SequenceParallelMLP",
     "all_gather",
     "all_gather_attention",
     "all_gather_matmul",
     "all_gather_schedule",
     "all_gather_then_matmul",
+    "AttentionBlock",
+    "AttentionHop",
     "check_groups",
     "check_pairs",
-    "debug_mode",
     "collective_permute",
+    "ColumnParallelLinear",
+    "debug_mode",
     "decompose",
+    "Decomposition",
+    "DisagreementError",
     "forms_complete_rings",
+    "GatedMLP",
     "gpipe_schedule",
     "inverse_pairs",
     "is_ring",
     "matmul_reduce_scatter",
     "matmul_then_reduce_scatter",
+    "MeshError",
     "pipeline_forward",
     "pipeline_groups",
+    "RankError",
     "reduce_scatter",
     "reduce_scatter_schedule",
     "relu_product",
     "ring_attention",
+    "ring_attention_schedule",
     "ring_pairs",
     "ring_steps",
+    "RingStep",
+    "RowParallelLinear",
     "run_on_mesh",
+    "Schedule",
+    "schedule_work",
+    "SequenceParallelMLP",
     "shard_sequence",
     "shift_pairs",
     "stage_shift",
     "sum_gradients",
+    "swiglu",
     "unshard_sequence",
 ]
 __version__ = "0.1.0"

@@ -265,7 +265,7 @@ def ring_schedule_figure(n: int, kind: str = "all_gather", bidirectional: bool =
 def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
     """Ring attention's schedule: which (query chunk, key chunk) blocks each rank computes.
 
-    Drawn from :func:`xla_permute.attention.ring_attention_schedule`, the schedule the code
+    Drawn from :func:`xla_permute.schedule.ring_attention_schedule`, the schedule the code
     runs: one panel per layout (contiguous, zigzag), a row per rank, a column per hop. In a
     cell, rows are the rank's query chunks and columns the key chunks it holds at that hop:
     filled = computed in full, lower triangle = the diagonal block (causal mask inside),
@@ -277,7 +277,7 @@ def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
     """
     from matplotlib.patches import Polygon, Rectangle
 
-    from xla_permute.attention import ring_attention_schedule, schedule_work
+    from xla_permute.schedule import ring_attention_schedule, schedule_work
     from xla_permute.sequence import layout_chunks
 
     fig = new_figure(figsize=(2 * (1.0 * n + 0.8), 0.9 * n + 1.2))

@@ -22,9 +22,22 @@ the two meet at their block.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
-__all__ = ["RingStep", "all_gather_schedule", "reduce_scatter_schedule", "ring_steps"]
+from xla_permute.sequence import layout_chunks
+
+__all__ = [
+    "AttentionBlock",
+    "AttentionHop",
+    "RingStep",
+    "all_gather_schedule",
+    "reduce_scatter_schedule",
+    "ring_attention_schedule",
+    "ring_steps",
+    "schedule_work",
+]
 
 
 @dataclass(frozen=True)
@@ -83,3 +96,74 @@ def reduce_scatter_schedule(n: int, rank: int, bidirectional: bool = False) -> l
         sends = [d for d, hops in ((1, up), (-1, down)) if t < hops]
         steps.append(RingStep(t, tuple(blocks), tuple(sends)))
     return steps
+
+
+# --------------------------------------------------------------------------- ring attention
+
+
+class AttentionBlock(NamedTuple):
+    """One attention block: query chunks x key chunks (global chunk ids), masked or not.
+
+    ``causal=True`` only for a diagonal block (one chunk against itself): the causal mask
+    applies inside it. Chunk ids count ``N`` chunks (contiguous) or ``2N`` (zigzag).
+    """
+
+    q_chunks: tuple[int, ...]
+    k_chunks: tuple[int, ...]
+    causal: bool
+
+
+class AttentionHop(NamedTuple):
+    """Hop ``hop`` on one rank: it holds the K/V of rank ``source`` and computes ``blocks``."""
+
+    hop: int
+    source: int
+    blocks: tuple[AttentionBlock, ...]
+
+
+def _causal_blocks(own: tuple[int, ...], theirs: tuple[int, ...]) -> tuple[AttentionBlock, ...]:
+    full = {i: tuple(j for j in theirs if j < i) for i in own}
+    if all(len(full[i]) == len(theirs) for i in own):
+        return (AttentionBlock(own, theirs, False),)
+    by_keys: dict[tuple[int, ...], list[int]] = {}
+    for i in own:
+        if full[i]:
+            by_keys.setdefault(full[i], []).append(i)
+    blocks = [AttentionBlock(tuple(qs), ks, False) for ks, qs in by_keys.items()]
+    return tuple(blocks + [AttentionBlock((i,), (i,), True) for i in own if i in theirs])
+
+
+def ring_attention_schedule(
+    n: int, rank: int, *, causal: bool = False, layout: str = "contiguous"
+) -> tuple[AttentionHop, ...]:
+    """What ``rank`` of ``n`` computes at each of the N hops (K/V moves to rank r+1 per hop).
+
+    >>> [len(h.blocks) for h in ring_attention_schedule(4, 0, causal=True)]   # rank 0 idles
+    [1, 0, 0, 0]
+    >>> ring_attention_schedule(2, 0, causal=True, layout="zigzag")[1].blocks
+    (AttentionBlock(q_chunks=(3,), k_chunks=(1, 2), causal=False),)
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int number of ranks, got {n!r}")
+    if not 0 <= rank < n:
+        raise ValueError(f"rank must be in 0..{n - 1}, got {rank!r}")
+    own = layout_chunks(n, rank, layout)
+    hops = []
+    for t in range(n):
+        source = (rank - t) % n
+        theirs = layout_chunks(n, source, layout)
+        blocks = _causal_blocks(own, theirs) if causal else (AttentionBlock(own, theirs, False),)
+        hops.append(AttentionHop(t, source, blocks))
+    return tuple(hops)
+
+
+def schedule_work(schedule: Sequence[AttentionHop]) -> list[float]:
+    """Work per hop in chunk-pair units (a diagonal block counts one half).
+
+    >>> [schedule_work(ring_attention_schedule(4, r, causal=True)) for r in (0, 3)]
+    [[0.5, 0, 0, 0], [0.5, 1, 1, 1]]
+    """
+    return [
+        sum(len(b.q_chunks) * len(b.k_chunks) * (0.5 if b.causal else 1) for b in h.blocks)
+        for h in schedule
+    ]

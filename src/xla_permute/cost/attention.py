@@ -8,7 +8,7 @@ Nothing here runs on a device. Per rank of ``N`` (sequence ``S``, ``s = S/N`` ro
   a diagonal block under the causal mask counts half), time ``max(F / R, bytes / H)`` with
   ``bytes = B (2 Hq m + 2 Hkv n) D b`` (q, out, k, v).
 * Which blocks a rank computes at each hop is the code's own schedule
-  (:func:`xla_permute.attention.ring_attention_schedule`); ``M_t`` is the time of the
+  (:func:`xla_permute.schedule.ring_attention_schedule`); ``M_t`` is the time of the
   *busiest* rank at hop t (every hop ends with a permute all ranks wait for).
 * **Ring** (forward): K and V travel one way, one permute per hop of ``V = 2 B Hkv s D b``
   bytes, ``C = V / W``; the permute of hop t overlaps the blocks of hop t:
@@ -35,9 +35,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from xla_permute.attention import ring_attention_schedule, schedule_work
 from xla_permute.cost.chips import CHIPS, Chip
 from xla_permute.cost.model import Prediction, ring_collective_time
+from xla_permute.schedule import ring_attention_schedule, schedule_work
 from xla_permute.sequence import check_layout
 
 __all__ = [
