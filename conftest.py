@@ -23,6 +23,8 @@ from notebook_cells import CellRunner, code_cells  # noqa: E402
 # The CPU-mesh tests run in the debug mode (xla_permute.debug): every collective of the package
 # first checks that all ranks pass the same arguments. The mesh inherits this environment.
 os.environ.setdefault("XLA_PERMUTE_DEBUG", "1")
+# The tutorials' kernels import torch_xla on the host; as in docs/conf.py, name the platform.
+os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 TUTORIALS = Path(__file__).parent / "tutorials"
 #: Executable pages outside tutorials/: the landing page's example runs as a test too.

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import sys
 from pathlib import Path
+
+# The notebooks import torch_xla on the host (never touching a device); tell it the platform
+# rather than have it log its default choice into every page. The kernels inherit this.
+os.environ.setdefault("PJRT_DEVICE", "CPU")
 
 project = "xla-permute"
 author = "xla-permute developers"
