@@ -1,4 +1,4 @@
-"""``python -m xla_permute bench`` on tiny sizes (one smoke run: three mesh launches), and its
+"""``python -m xla_permute bench`` on tiny sizes (one smoke run: six mesh launches), and its
 parts without a mesh. No timing is asserted; memory and bytes are deterministic and are."""
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def test_smoke_runs_the_whole_pipeline(smoke):
         assert r["fusions"] >= 1
     scaling = rows_by_name(result, "scaling")
     assert sorted(scaling) == sorted(rows) and {r["n"] for r in scaling.values()} == {8}
-    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 12
+    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 12 + 6
     # Every figure names its backend, in the JSON and in the printed tables.
     assert result["backends"]["run_s"].startswith("emulated")
     for key in ("trace_s", "compile_s", "peak_bytes", "bytes"):
@@ -104,6 +104,42 @@ def test_memory_comes_from_the_right_compiled_program(smoke):
         for variant, modes in r["peak_bytes_per_rank"].items():
             for mode, per_rank in modes.items():
                 assert len(per_rank) == n and r["peak_bytes"][variant][mode] == max(per_rank)
+
+
+def test_memory_is_measured_at_both_mesh_sizes(smoke):
+    _, result, _, _ = smoke
+    m, k, w = TINY.m, TINY.k, TINY.k * TINY.f * F32
+    assert [size["n"] for size in result["memory"]] == [4, 8]
+    at = {r["n"]: r for r in result["ratios"]["memory"]}
+    for size in result["memory"]:
+        n, peaks = size["n"], size["peak_bytes"]
+        assert sorted(peaks) == sorted(p.name for p in PROGRAMS)
+        for variant in ("token", "no_token"):
+            base = peaks["all_gather_matmul/baseline"][variant]
+            for mode in ("input", "computed"):
+                assert len(base[mode]) == n and max(base[mode]) >= n * m * k * F32 + w
+                for method in ("uni", "bi"):
+                    name = f"all_gather_matmul/{method}"
+                    ratio = at[n]["peak"][name][variant][mode]
+                    assert ratio == max(peaks[name][variant][mode]) / max(base[mode]) < 1
+    # the N=4 figures are the main table's
+    rows = rows_by_name(result)
+    for name, per_rank in result["memory"][0]["peak_bytes"].items():
+        assert per_rank == rows[name]["peak_bytes_per_rank"]
+
+
+def test_partial_sum_bytes_follow_reduce_dtype(smoke):
+    # bfloat16 inputs: float32 partial sums by default, half of that with reduce_dtype=bf16;
+    # the traced HLO, partial_sum_dtype and the cost model agree (one source of truth).
+    _, result, _, _ = smoke
+    got = {(r["name"], r["reduce_dtype"]): r for r in result["reduce_dtype_bytes"]}
+    block = TINY.m * TINY.f
+    for method in ("uni", "bi", "baseline"):
+        name = f"matmul_reduce_scatter/{method}"
+        default, half = got[name, "default"], got[name, "bfloat16"]
+        assert default["partial_sum_dtype"] == "float32" and half["partial_sum_dtype"] == "bfloat16"
+        assert default["sent"] == default["model"] == (TINY.n - 1) * block * 4
+        assert half["sent"] == half["model"] == (TINY.n - 1) * block * 2
 
 
 def test_the_token_serialises_the_two_directions_of_a_bidirectional_step(smoke):
@@ -184,7 +220,10 @@ def test_programs_know_their_schedule_and_baseline():
 def test_report_labels_ratios(smoke):
     _, result, _, _ = smoke
     text = bench.format_report(result)
-    assert text.count("1 (baseline)") == 2 * (2 + 1 + 4 + 1)  # time, N=8, memory, bytes
+    # time, trace+compile at N=8, memory at N=4 and N=8, bytes
+    assert text.count("1 (baseline)") == 2 * (2 + 1 + 4 + 4 + 1)
+    assert "Peak memory per device, N=4" in text and "Peak memory per device, N=8" in text
+    assert "| matmul_reduce_scatter/uni | bfloat16 | bfloat16 |" in text
     assert "x computed, no token" in text and "two-direction steps serialised" in text
     assert "targets" not in result
     for name, r in result["ratios"]["n"].items():

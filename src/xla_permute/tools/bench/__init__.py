@@ -15,7 +15,8 @@ Every figure names the backend that produced it:
   compile = ``torch_xla._XLAC._xla_warm_up_cache`` (lowering and XLA:CPU compile). Medians over
   ``compile_repeats`` rounds after ``warmup`` discarded rounds; round ``i`` uses ``f + i``
   columns so that every round compiles afresh (XLA caches compiled graphs by their hash).
-* **peak memory** (``native``): "Total bytes used" of XLA's buffer assignment of the compiled
+* **peak memory** (``native``), at ``n`` and at ``scaling_n`` devices (N=4 and N=8 by
+  default): "Total bytes used" of XLA's buffer assignment of the compiled
   program (``*memory-usage-report.txt`` written with ``XLA_FLAGS=--xla_dump_to``), one
   compile per program in a launch of its own, matched to its program by the files that compile
   added and checked by the collectives in the dumped module. The ranks' programs differ (the
@@ -32,15 +33,18 @@ Every figure names the backend that produced it:
 * **bytes sent** (``native`` HLO): what each rank sends, from rank 0's traced HLO (the
   collectives, their pairs and shapes, are the same on every rank) with
   :func:`~xla_permute.hlo.account_bytes` (ring algorithms assumed for all-gather and
-  reduce-scatter), per collective, per schedule step and in total.
+  reduce-scatter), per collective, per schedule step and in total; and matmul-reduce-scatter
+  on bfloat16 inputs with ``reduce_dtype`` None (float32 partial sums) and bfloat16, checked
+  against :func:`~xla_permute.matmul.partial_sum_dtype` and the cost model's charge.
 * **run** (``emulated``): wall time of executing the program on the CPU mesh, where the
   permute is emulated by a channel-id all-gather that moves N times the data of a permute.
   Median over ``repeats`` after ``warmup`` runs, slowest rank. It measures the CPU emulation,
   not what collective matmul does on an accelerator.
 
 The launches: one ``N``-device mesh runs the emulated programs on every rank, then times the
-native trace and compile on rank 0 alone; two compile the native programs with XLA's dumps
-on (with and without the token); one ``scaling_n``-device mesh times trace and compile again.
+native trace and compile on rank 0 alone; two per mesh size (``n`` and ``scaling_n``)
+compile the native programs with XLA's dumps on (with and without the token); one
+``scaling_n``-device mesh times trace and compile again.
 Compiles are small and every emulated program is compiled by its warm-up run before any timed
 run, so no rank arrives late at a rendezvous.
 

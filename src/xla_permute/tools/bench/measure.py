@@ -33,6 +33,7 @@ __all__ = [
     "memory_rank",
     "native_rounds",
     "read_memory_report",
+    "reduce_dtype_hlo",
 ]
 
 #: torch_xla's switch for the numeric token that orders collectives (read once per process).
@@ -67,6 +68,40 @@ def native_rounds(programs: Sequence[BenchProgram], cfg: dict[str, int]) -> dict
                 trace[p.name].append(t1 - t0)
                 comp[p.name].append(t3 - t2)
     return {"trace_s": trace, "compile_s": comp, "hlo": hlo}
+
+
+#: matmul-reduce-scatter's partial sums on bfloat16 inputs: the default and the input dtype.
+REDUCE_DTYPES = ("default", "bfloat16")
+
+
+def reduce_dtype_hlo(programs: Sequence[BenchProgram], cfg: dict[str, int]) -> dict[str, str]:
+    """Rank 0: the native HLO of each matmul-reduce-scatter program on bfloat16 x and w, with
+    ``reduce_dtype`` None (float32 partial sums) and bfloat16 (the input's), traced only.
+
+    Keys ``"<name>|<reduce dtype>"`` (``REDUCE_DTYPES``).
+    """
+    import torch
+    import torch_xla
+
+    from xla_permute import matmul
+
+    out: dict[str, str] = {}
+    for p in programs:
+        if p.op != "matmul_reduce_scatter":
+            continue
+        for label in REDUCE_DTYPES:
+            reduce_dtype = None if label == "default" else getattr(torch, label)
+            x, w = inputs(p, cfg["m"], cfg["k"], cfg["f"], "input", seed=None)
+            x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
+            with hlo_tracing():  # native: traced, never run
+                fn = getattr(matmul, p.function)
+                options = {} if p.method == "baseline" else {
+                    "bidirectional": p.method == "bi", "backend": "native"}  # fmt: skip
+                y = fn(x, w, dim=0, reduce_dtype=reduce_dtype, **options)
+            out[f"{p.name}|{label}"] = torch_xla._XLAC._get_xla_tensors_hlo([y])
+            del y, x, w
+            torch_xla.sync()
+    return out
 
 
 def emulated_runs(programs: Sequence[BenchProgram], cfg: dict[str, int]) -> dict[str, Any]:
@@ -138,6 +173,7 @@ def bench_rank(
         out.update(emulated_runs(programs, cfg))
     if native and xr.global_ordinal() == 0:
         out.update(native_rounds(programs, cfg))
+        out["reduce_dtype_hlo"] = reduce_dtype_hlo(programs, cfg)
     return out
 
 

@@ -20,9 +20,24 @@ def _by_name(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {r["name"]: r for r in rows}
 
 
-def ratios(rows: list[dict[str, Any]], scaling: list[dict[str, Any]]) -> dict[str, Any]:
-    """Each non-baseline program's figures divided by its op's baseline's."""
-    out: dict[str, Any] = {"n": {}, "scaling_n": {}}
+def ratios(
+    rows: list[dict[str, Any]],
+    scaling: list[dict[str, Any]],
+    memory: Sequence[dict[str, Any]] = (),
+) -> dict[str, Any]:
+    """Each non-baseline program's figures divided by its op's baseline's; ``memory``: the
+    peak-memory ratios (largest rank over largest rank) at each measured mesh size."""
+    out: dict[str, Any] = {"n": {}, "scaling_n": {}, "memory": []}
+    for size in memory:
+        peaks = size["peak_bytes"]
+        out["memory"].append({
+            "n": size["n"],
+            "peak": {
+                name: {v: {m: max(peak[v][m]) / max(peaks[f"{name.split('/')[0]}/baseline"][v][m])
+                           for m in X_MODES} for v in TOKEN_VARIANTS}
+                for name, peak in peaks.items() if not name.endswith("/baseline")
+            },
+        })  # fmt: skip
     for table, key in ((rows, "n"), (scaling, "scaling_n")):
         named = _by_name(table)
         for r in table:
@@ -44,9 +59,21 @@ def ratios(rows: list[dict[str, Any]], scaling: list[dict[str, Any]]) -> dict[st
     return out
 
 
-def checks(rows: list[dict[str, Any]], scaling: list[dict[str, Any]]) -> list[dict[str, Any]]:
+def checks(
+    rows: list[dict[str, Any]],
+    scaling: list[dict[str, Any]],
+    reduce_bytes: Sequence[dict[str, Any]] = (),
+) -> list[dict[str, Any]]:
     """Facts that must hold (``ok``); a failure makes the command exit 1."""
     out = []
+    for r in reduce_bytes:
+        out.append({
+            "check": f"{r['name']}, bf16, reduce_dtype={r['reduce_dtype']}: bytes sent = "
+                     "partial_sum_dtype's = the cost model's",
+            "ok": r["sent"] == r["expected"] == r["model"],
+            "detail": f"{r['sent']} B sent, {r['expected']} B from partial_sum_dtype "
+                      f"({r['partial_sum_dtype']}), {r['model']} B in the cost model",
+        })  # fmt: skip
     named = _by_name(rows)
     for op in BASELINES:
         base = named.get(f"{op}/baseline")
@@ -147,24 +174,31 @@ def format_report(result: dict[str, Any]) -> str:
                 f"| {r['name']} | {r['trace_s'] * 1e3:.1f} | {r['compile_s'] * 1e3:.1f} | "
                 f"{_fmt_ratio(rr.get('trace_plus_compile'))} |"
             )
-    lines += [
-        "",
-        f"Peak memory per device, N={n} (native program, XLA:CPU buffer assignment, 'Total "
-        f"bytes used', largest over the ranks; x an input or computed in the program; with "
-        f"torch_xla's collective token and with {TOKEN_ENV}=1):",
-        "",
-        "| program | x input | vs baseline | x computed | vs baseline "
-        "| x input, no token | vs baseline | x computed, no token | vs baseline |",
-        "|---|---|---|---|---|---|---|---|---|",
+    sizes = result.get("memory") or [
+        {"n": n, "peak_bytes": {r["name"]: r["peak_bytes_per_rank"] for r in result["programs"]}}
     ]
-    for r in result["programs"]:
-        peak = against["n"].get(r["name"], {}).get("peak")
-        cells = []
-        for v in TOKEN_VARIANTS:
-            for mode in X_MODES:
-                cells.append(_fmt_bytes(r["peak_bytes"][v][mode]))
-                cells.append(_fmt_ratio(peak[v][mode] if peak else None))
-        lines.append(f"| {r['name']} | " + " | ".join(cells) + " |")
+    size_ratios = {m["n"]: m["peak"] for m in against.get("memory", [])}
+    for size in sizes:
+        lines += [
+            "",
+            f"Peak memory per device, N={size['n']} (native program, XLA:CPU buffer assignment, "
+            f"'Total bytes used', largest over the ranks; x an input or computed in the program;"
+            f" with torch_xla's collective token and with {TOKEN_ENV}=1):",
+            "",
+            "| program | x input | vs baseline | x computed | vs baseline "
+            "| x input, no token | vs baseline | x computed, no token | vs baseline |",
+            "|---|---|---|---|---|---|---|---|---|",
+        ]
+        for name, per_rank in size["peak_bytes"].items():
+            peak = size_ratios.get(size["n"], {}).get(name)
+            if peak is None and size["n"] == n:
+                peak = against["n"].get(name, {}).get("peak")
+            cells = []
+            for v in TOKEN_VARIANTS:
+                for mode in X_MODES:
+                    cells.append(_fmt_bytes(max(per_rank[v][mode])))
+                    cells.append(_fmt_ratio(peak[v][mode] if peak else None))
+            lines.append(f"| {name} | " + " | ".join(cells) + " |")
     lines += [
         "",
         f"Bytes each rank sends, N={n} (native HLO; ring algorithms assumed for the baselines' "
@@ -180,6 +214,22 @@ def format_report(result: dict[str, Any]) -> str:
             f"| {r['name']} | {steps} | {_fmt_bytes(r['bytes']['total'])} | "
             f"{_fmt_ratio(rr.get('bytes'))} |"
         )
+    if result.get("reduce_dtype_bytes"):
+        lines += [
+            "",
+            f"Bytes each rank sends in matmul-reduce-scatter on bfloat16 x and w, N={n}, by "
+            "reduce_dtype (native HLO; expected: N-1 partial-sum blocks of "
+            "xla_permute.matmul.partial_sum_dtype; model: the cost model's charge):",
+            "",
+            "| program | reduce_dtype | partial sums | sent | expected | model |",
+            "|---|---|---|---|---|---|",
+        ]
+        for r in result["reduce_dtype_bytes"]:
+            lines.append(
+                f"| {r['name']} | {r['reduce_dtype']} | {r['partial_sum_dtype']} | "
+                f"{_fmt_bytes(r['sent'])} | {_fmt_bytes(r['expected'])} | "
+                f"{_fmt_bytes(r['model'])} |"
+            )
     lines += ["", "Order of the permutes in the native HLO:", ""]
     for r in result["programs"]:
         for v, label in (("token", "with the token"), ("no_token", f"{TOKEN_ENV}=1")):

@@ -18,7 +18,13 @@ from dataclasses import asdict
 from typing import Any
 
 from xla_permute import hlo
-from xla_permute.tools.bench.measure import TOKEN_ENV, TOKEN_VARIANTS, bench_rank, memory_rank
+from xla_permute.tools.bench.measure import (
+    REDUCE_DTYPES,
+    TOKEN_ENV,
+    TOKEN_VARIANTS,
+    bench_rank,
+    memory_rank,
+)
 from xla_permute.tools.bench.programs import PRESETS, PROGRAMS, X_MODES, BenchConfig, BenchProgram
 from xla_permute.tools.bench.report import checks, ratios
 
@@ -80,9 +86,13 @@ def run_bench(
     ``programs`` (one dict per program at ``n``: ``trace_s``, ``compile_s``, ``fusions``,
     ``run_s``, ``peak_bytes[variant][mode]`` (largest over ranks), ``peak_bytes_per_rank``,
     ``bytes``, ``chain[variant]``, ``same_as_baseline``), ``scaling`` (trace and compile at
-    ``scaling_n``), ``ratios`` (against each op's baseline) and ``checks`` (facts that must
-    hold: byte equalities, emulated results equal the baseline's). ``variant`` is "token"
-    (torch_xla's default) or "no_token" (``DISABLE_NUMERIC_CC_TOKEN=1``).
+    ``scaling_n``), ``memory`` (one dict per mesh size of :func:`memory_sizes`, ``n`` and
+    ``scaling_n``: ``peak_bytes[name][variant][mode]`` per rank), ``reduce_dtype_bytes``
+    (matmul-reduce-scatter on bfloat16 per ``reduce_dtype``: sent, expected, the model's),
+    ``ratios`` (against each op's baseline; ``ratios["memory"]`` per mesh size) and
+    ``checks`` (facts that must hold: byte equalities, emulated results equal the
+    baseline's). ``variant`` is "token" (torch_xla's default) or "no_token"
+    (``DISABLE_NUMERIC_CC_TOKEN=1``).
     """
     from xla_permute.launch import run_on_mesh
 
@@ -104,15 +114,18 @@ def run_bench(
         f"timed), then native trace+compile ({config.compile_repeats} rounds)",
         bench_rank, progs, cfg, run=True, native=True, n=config.n, env=default_env,
     )  # fmt: skip
-    memory: dict[str, Any] = {}
-    for variant, value in TOKEN_VARIANTS.items():
-        with tempfile.TemporaryDirectory(prefix="xla_permute_bench_dump_") as dump:
-            flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
-            memory[variant] = launch(
-                f"native compiles with XLA dumps, {TOKEN_ENV}={value}",
-                memory_rank, progs, cfg, dump, n=config.n,
-                env={"XLA_FLAGS": flags, TOKEN_ENV: value},
-            )  # fmt: skip
+    sizes = memory_sizes(config)
+    by_size: dict[int, dict[str, Any]] = {size: {} for size in sizes}
+    for size in sizes:
+        for variant, value in TOKEN_VARIANTS.items():
+            with tempfile.TemporaryDirectory(prefix="xla_permute_bench_dump_") as dump:
+                flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
+                by_size[size][variant] = launch(
+                    f"native compiles with XLA dumps, {TOKEN_ENV}={value}",
+                    memory_rank, progs, cfg, dump, n=size,
+                    env={"XLA_FLAGS": flags, TOKEN_ENV: value},
+                )  # fmt: skip
+    memory = by_size[config.n]
     scaling_raw = None
     if config.scaling_n:
         scaling_raw = launch(
@@ -124,11 +137,7 @@ def run_bench(
     rank0 = main[0]
     rows = []
     for p in progs:
-        per_rank = {
-            v: {mode: [r["memory"][f"{p.name}|{mode}"]["bytes"] for r in memory[v]]
-                for mode in X_MODES}
-            for v in TOKEN_VARIANTS
-        }  # fmt: skip
+        per_rank = _per_rank(p, memory)
         rows.append(
             {
                 "op": p.op,
@@ -180,6 +189,65 @@ def run_bench(
         "scaling": scaling,
         "seconds": time.perf_counter() - t_start,
     }
-    result["ratios"] = ratios(rows, scaling)
-    result["checks"] = checks(rows, scaling)
+    result["memory"] = [
+        {"n": size, "peak_bytes": {p.name: _per_rank(p, by_size[size]) for p in progs}}
+        for size in sizes
+    ]
+    result["reduce_dtype_bytes"] = reduce_dtype_bytes(progs, rank0["reduce_dtype_hlo"], config)
+    result["ratios"] = ratios(rows, scaling, result["memory"])
+    result["checks"] = checks(rows, scaling, result["reduce_dtype_bytes"])
     return result
+
+
+def memory_sizes(config: BenchConfig) -> list[int]:
+    """The mesh sizes whose peak memory is measured: ``n``, and ``scaling_n`` unless 0."""
+    return sorted({config.n, *([config.scaling_n] if config.scaling_n else [])})
+
+
+def _per_rank(p: BenchProgram, memory: dict[str, Any]) -> dict[str, dict[str, list[int]]]:
+    """Peak bytes of ``p``, per token variant, x mode and rank, from one size's launches."""
+    return {
+        v: {mode: [r["memory"][f"{p.name}|{mode}"]["bytes"] for r in memory[v]] for mode in X_MODES}
+        for v in TOKEN_VARIANTS
+    }
+
+
+def reduce_dtype_bytes(
+    programs: Sequence[BenchProgram], texts: dict[str, str], config: BenchConfig
+) -> list[dict[str, Any]]:
+    """Bytes each rank sends in matmul-reduce-scatter on bfloat16 inputs, per ``reduce_dtype``.
+
+    ``sent``: from the traced native HLO (:func:`account`); ``expected``: ``N-1`` partial-sum
+    blocks of ``m f`` elements of :func:`xla_permute.matmul.partial_sum_dtype`'s dtype;
+    ``model``: what the cost model charges (:attr:`xla_permute.cost.Workload.block_bytes`,
+    from the same rule). The three must agree.
+    """
+    import torch
+
+    from xla_permute import cost
+    from xla_permute.matmul import partial_sum_dtype
+
+    out = []
+    n = config.n
+    for p in programs:
+        if p.op != "matmul_reduce_scatter":
+            continue
+        for label in REDUCE_DTYPES:
+            reduce_dtype = None if label == "default" else getattr(torch, label)
+            element = partial_sum_dtype(torch.bfloat16, reduce_dtype)
+            work = cost.Workload(
+                m=config.m, k=config.k, n=config.f, n_devices=n, dtype_bytes=2,
+                op="matmul_reduce_scatter",
+                reduce_dtype_bytes=None if reduce_dtype is None else reduce_dtype.itemsize,
+            )  # fmt: skip
+            out.append(
+                {
+                    "name": p.name,
+                    "reduce_dtype": label,
+                    "partial_sum_dtype": str(element).removeprefix("torch."),
+                    "sent": account(p, texts[f"{p.name}|{label}"], n).total,
+                    "expected": (n - 1) * config.m * config.f * element.itemsize,
+                    "model": (n - 1) * work.block_bytes,
+                }
+            )
+    return out
