@@ -22,7 +22,8 @@ is its own ring, visited in the order the group lists its ranks (block ``j`` is 
 the group's ``j``-th rank), as ``xm.all_gather`` orders a group. ``None``: one group of all
 ranks. A group of one rank is a plain ``x @ w``.
 
-Memory: every product is written into its place of a preallocated output (``slice_scatter``)
+Memory: every product is written into its rows of a preallocated output (``index_copy``, rows
+computed on the device so that every rank runs the same program) as soon as it is made,
 instead of all N being joined by one concatenate at the end; XLA:CPU's buffer assignment then
 holds about three x blocks (own, worked on, in flight) plus w and the output.
 Empty inputs (0 rows, ``K = 0``, ``F = 0``) give the empty (or zero) result without a
@@ -178,12 +179,19 @@ def _ring_all_gather_matmul(
 ) -> list[torch.Tensor]:
     n, m = ring.size, x.shape[dim]
     outs = [x.new_zeros(*x.shape[:dim], n * m, *x.shape[dim + 1 : -1], w.shape[1]) for w in ws]
+    # Each product goes straight into its rows of the output (a scatter), so that it dies after
+    # its dot; a slice_scatter chain or a concatenate is fused by XLA into one op at the end,
+    # which keeps all N products alive. The rows are computed on the device from this rank's
+    # position (device data) and the step's offset (the same on every rank): every rank traces
+    # the same program, so the ranks share one compile and none arrives late at a rendezvous.
+    position = torch.tensor(ring.position, dtype=torch.int64).to(x.device)
+    rows = torch.arange(m, device=x.device)
 
     def multiply(source: int, x_block: torch.Tensor) -> None:
-        for i, w in enumerate(ws):  # each product goes straight into its place (not one
-            # concatenate at the end). index_copy kept fewer products alive (N=8: 0.361 of the
-            # baseline vs 0.390) but its per-rank index deadlocked large one-graph programs.
-            outs[i] = outs[i].slice_scatter(x_block @ w, dim, source * m, (source + 1) * m)
+        offset = (source - ring.position) % n  # rank-independent
+        index = rows + ((position + offset) % n) * m
+        for i, w in enumerate(ws):
+            outs[i] = outs[i].index_copy(dim, index, x_block @ w)
 
     _stream(x, ring, multiply)
     return outs
