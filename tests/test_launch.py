@@ -215,6 +215,13 @@ def test_mismatched_collective_is_a_clear_bounded_error():
     assert time.monotonic() - start < 120
 
 
+def test_abort_message_names_the_usual_causes_and_their_fixes():
+    from xla_permute.launch import _MISMATCH_HINT
+
+    assert "XLA_PERMUTE_DEBUG=1" in _MISMATCH_HINT
+    assert "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()]))" in _MISMATCH_HINT
+
+
 def test_hang_is_killed_at_timeout():
     with pytest.raises(MeshError, match="did not finish within 3 s"):
         run_on_mesh(rank_fns.sleep_forever, n=2, timeout=3)
