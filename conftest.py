@@ -27,8 +27,8 @@ os.environ.setdefault("XLA_PERMUTE_DEBUG", "1")
 os.environ.setdefault("PJRT_DEVICE", "CPU")
 # The suite compiles hundreds of small programs on the CPU mesh, and XLA:CPU spends most of a
 # compile in LLVM's optimizer: without it `make test` took 14:45 instead of 16:32 on 2 cores,
-# with the same results (every exact check still exact). The docs build and the bench keep XLA's default;
-# launches that pass their own XLA_FLAGS (the bench's memory dumps) are unaffected.
+# with the same results (every exact check still exact). The docs build and the bench keep
+# XLA's default; launches that pass their own XLA_FLAGS (the bench's memory dumps) too.
 os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
 
 TUTORIALS = Path(__file__).parent / "tutorials"
