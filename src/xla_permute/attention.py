@@ -42,13 +42,14 @@ from typing import Any, NamedTuple
 
 import torch
 
-from xla_permute.pairs import check_groups, global_pairs, ring_pairs
+from xla_permute.pairs import global_pairs, ring_pairs
 from xla_permute.permute import (
     Backend,
     _permute,
     check_xla_tensor,
     collective_permute,
     resolve_backend,
+    ring_of,
 )
 from xla_permute.schedule import AttentionHop, ring_attention_schedule
 from xla_permute.sequence import check_layout, layout_chunks
@@ -332,17 +333,12 @@ def ring_attention(
     """
     scale_ = _check(q, k, v, causal, layout, scale, "ring_attention")
     chosen = resolve_backend(backend)
-    import torch_xla.runtime as xr
-
-    checked = check_groups(groups, xr.world_size())
-    me = xr.global_ordinal()
-    group = next(g for g in checked if me in g)
-    n, rank = len(group), group.index(me)
+    n, rank, ring_groups = ring_of(groups)
     if q.numel() == 0 or k.numel() == 0:  # every rank agrees: no collective
         return q * 0 + (k.sum() + v.sum()) * 0
     acc = torch.float32 if q.dtype in _HALF else q.dtype
     schedule = ring_attention_schedule(n, rank, causal=causal, layout=layout)
-    plan = _Plan(n, rank, None if groups is None else checked, chosen, layout, scale_, acc,
+    plan = _Plan(n, rank, ring_groups, chosen, layout, scale_, acc,
                  schedule)  # fmt: skip
     return _RingAttention.apply(q, k, v, plan)
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from xla_permute.permute import ring_of
+
 __all__ = ["all_gather", "reduce_scatter", "sum_gradients"]
 
 Groups = Sequence[Sequence[int]] | None
@@ -136,9 +138,7 @@ def reduce_scatter(x: torch.Tensor, dim: int, *, groups: Groups = None) -> torch
         )
     _agree("reduce_scatter", x, dim, checked)
     if x.numel() == 0:
-        import torch_xla.runtime as xr
-
-        position = next(g for g in checked if xr.global_ordinal() in g).index(xr.global_ordinal())
+        _, position, _ = ring_of(checked)
         return x.narrow(dim, position * (x.shape[dim] // n), x.shape[dim] // n)
     return _ReduceScatter.apply(x, dim, checked)
 

@@ -56,9 +56,8 @@ from xla_permute.matmul import (
     all_gather_then_matmul,
     matmul_reduce_scatter,
     matmul_then_reduce_scatter,
-    ring_of,
 )
-from xla_permute.permute import BACKENDS
+from xla_permute.permute import BACKENDS, ring_of
 
 __all__ = [
     "STRATEGIES",

@@ -40,7 +40,13 @@ import torch
 
 from xla_permute import collectives
 from xla_permute.pairs import ring_pairs
-from xla_permute.permute import Backend, check_xla_tensor, collective_permute, resolve_backend
+from xla_permute.permute import (
+    Backend,
+    check_xla_tensor,
+    collective_permute,
+    resolve_backend,
+    ring_of,
+)
 from xla_permute.schedule import all_gather_schedule, reduce_scatter_schedule
 
 __all__ = [
@@ -88,20 +94,6 @@ class _Ring:
     def permute(self, t: torch.Tensor, direction: int) -> torch.Tensor:
         pairs = ring_pairs(self.size, direction)
         return collective_permute(t, pairs, groups=self.groups, backend=self.backend)
-
-
-def ring_of(groups: Groups = None) -> tuple[int, int, tuple[tuple[int, ...], ...] | None]:
-    """``(group size, this rank's position in its group, checked groups)`` on this rank."""
-    import torch_xla.runtime as xr
-
-    from xla_permute.pairs import check_groups
-
-    world, rank = xr.world_size(), xr.global_ordinal()
-    if groups is None:
-        return world, rank, None
-    checked = check_groups(groups, world)
-    group = next(g for g in checked if rank in g)
-    return len(group), group.index(rank), checked
 
 
 def _block(t: torch.Tensor, index: int, n: int, dim: int) -> torch.Tensor:

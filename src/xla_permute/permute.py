@@ -41,6 +41,7 @@ __all__ = [
     "device_error",
     "collective_permute",
     "resolve_backend",
+    "ring_of",
 ]
 
 Backend = Literal["auto", "native", "emulated"]
@@ -113,6 +114,24 @@ def check_native_runs_here(device_type: str) -> None:
             "(or 'auto') to run it here, or build it inside `with xla_permute.hlo.tracing():` "
             "to read its HLO with xla_permute.hlo.trace (traced, never run)"
         )
+
+
+def ring_of(
+    groups: Sequence[Sequence[int]] | None = None,
+) -> tuple[int, int, tuple[tuple[int, ...], ...] | None]:
+    """``(group size, this rank's position in its group, checked groups)`` on this rank.
+
+    ``groups=None``: all ranks, and ``None`` as the checked groups. The matmul rings, the
+    layers, ring attention and reduce-scatter's empty shortcut all find their ring here.
+    """
+    import torch_xla.runtime as xr
+
+    world, rank = xr.world_size(), xr.global_ordinal()
+    if groups is None:
+        return world, rank, None
+    checked = check_groups(groups, world)
+    group = next(g for g in checked if rank in g)
+    return len(group), group.index(rank), checked
 
 
 def _permute_native(x: torch.Tensor, pairs: Pairs) -> torch.Tensor:
