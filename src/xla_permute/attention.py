@@ -329,7 +329,8 @@ def ring_attention(
     Raises:
         TypeError, ValueError: bad tensors, dtypes, shapes, ``causal``, ``layout``,
             ``scale``, ``groups`` or ``backend``, before any collective. Ranks must pass
-            equal shapes (not checked: that would take a collective).
+            equal shapes: checked in debug mode (:mod:`xla_permute.debug`), by the first
+            hop's permute.
     """
     scale_ = _check(q, k, v, causal, layout, scale, "ring_attention")
     chosen = resolve_backend(backend)
