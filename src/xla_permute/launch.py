@@ -44,6 +44,8 @@ from typing import Any
 
 import cloudpickle
 
+from xla_permute.debug import ENV as _DEBUG_ENV
+
 __all__ = ["MeshError", "RankError", "mesh_environment", "run_on_mesh"]
 
 #: Seconds after which a mesh run counts as hung (a collective that never completes).
@@ -112,9 +114,17 @@ def _check_env(n: int, env: object) -> dict[str, str]:
 def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of the device process for an ``n``-device CPU mesh.
 
+    This process's environment, then the mesh's settings, then ``env``. The mesh turns the
+    debug mode on (``XLA_PERMUTE_DEBUG=1``, :mod:`xla_permute.debug`: every collective of this
+    package first checks that the ranks agree) unless this process's environment or ``env``
+    sets ``XLA_PERMUTE_DEBUG`` (``"0"`` turns it off, e.g. for timed runs of a correct program).
+
     >>> e = mesh_environment(4)
     >>> e["PJRT_DEVICE"], e["CPU_NUM_DEVICES"], int(e["XLA_THREAD_POOL_SIZE"]) >= 4
     ('CPU', '4', True)
+    >>> off = {"XLA_PERMUTE_DEBUG": "0"}
+    >>> mesh_environment(2)["XLA_PERMUTE_DEBUG"], mesh_environment(2, off)["XLA_PERMUTE_DEBUG"]
+    ('1', '0')
     """
     _check_n(n)
     extra = _check_env(n, env)
@@ -125,6 +135,9 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
         XLA_THREAD_POOL_SIZE=str(max(n, int(out.get("XLA_THREAD_POOL_SIZE") or 0))),
         TF_CPP_MIN_LOG_LEVEL=out.get("TF_CPP_MIN_LOG_LEVEL", "2"),
     )
+    # The CPU mesh is where programs are developed: ranks that disagree raise by default.
+    if not out.get(_DEBUG_ENV, "").strip():
+        out[_DEBUG_ENV] = "1"
     # The child must import what the caller can import (tests/, a notebook's directory).
     paths = [p or os.getcwd() for p in sys.path] + [out.get("PYTHONPATH", "")]
     out["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
@@ -266,6 +279,12 @@ def run_on_mesh(
     in a notebook cell, a script's ``__main__``, a closure or a lambda goes by value (with
     ``cloudpickle``), with the globals it uses. Arguments travel the same way; they and the
     function's globals must be CPU data (tensors on the CPU, numbers, lists, ...).
+
+    The debug mode is on in the device process unless the caller's environment or ``env``
+    sets ``XLA_PERMUTE_DEBUG`` (:func:`mesh_environment`): ranks that pass different shapes,
+    dtypes, pairs or groups to a collective of this package raise
+    :class:`~xla_permute.debug.DisagreementError` on every rank instead of returning garbage.
+    Pass ``env={"XLA_PERMUTE_DEBUG": "0"}`` to time a program known to be correct.
 
     Returns the per-rank return values in rank order. Tensors on an XLA device in them, in
     any container (lists, dicts, named tuples, dataclasses, ...), come back as CPU tensors
