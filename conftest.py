@@ -3,7 +3,9 @@
 Item names give the file and the line of the cell:
 ``tutorials/01_getting_started.md::cell 3 [L42]``.
 Cells run in order in one fresh kernel; after a failing cell, the remaining cells of that
-tutorial are reported as not run (skipped with that reason), never as passed.
+tutorial are reported as not run (skipped with that reason), never as passed. A tutorial whose
+every cell passed is saved with its outputs for the docs build (tests/notebook_cells.py), which
+then shows these outputs instead of executing the tutorial a second time.
 """
 
 from __future__ import annotations
@@ -18,18 +20,28 @@ import pytest
 # their helpers from tests/ as top-level modules too.
 sys.path.insert(0, str(Path(__file__).parent / "tests"))
 
-from notebook_cells import CellRunner, code_cells  # noqa: E402
+from notebook_cells import CellRunner, cache_executed, code_cells  # noqa: E402
 
-# The CPU-mesh tests run in the debug mode (xla_permute.debug): every collective of the package
-# first checks that all ranks pass the same arguments. The mesh inherits this environment.
-os.environ.setdefault("XLA_PERMUTE_DEBUG", "1")
+# Settings for the test modules only. The tutorials' kernels do not get them: the test run's
+# outputs are what the docs show (docs/conf.py reads them from the cache), so a tutorial runs
+# as `make docs` would run it, with the caller's own environment.
+TEST_ONLY_ENV = {
+    # The CPU-mesh tests run in the debug mode (xla_permute.debug): every collective of the
+    # package first checks that all ranks pass the same arguments. The mesh inherits it.
+    "XLA_PERMUTE_DEBUG": "1",
+    # The suite compiles hundreds of small programs on the CPU mesh, and XLA:CPU spends most of
+    # a compile in LLVM's optimizer: without it `make test` took 14:45 instead of 16:32 on 2
+    # cores, with the same results (every exact check still exact). The tutorials, whose
+    # outputs are the published figures (compile times, peak memory), keep XLA's default;
+    # launches that pass their own XLA_FLAGS (the bench's memory dumps) too.
+    "XLA_FLAGS": "--xla_backend_optimization_level=0",
+}
+TUTORIAL_ENV = dict(os.environ)
+for _name, _value in TEST_ONLY_ENV.items():
+    os.environ.setdefault(_name, _value)
 # The tutorials' kernels import torch_xla on the host; as in docs/conf.py, name the platform.
 os.environ.setdefault("PJRT_DEVICE", "CPU")
-# The suite compiles hundreds of small programs on the CPU mesh, and XLA:CPU spends most of a
-# compile in LLVM's optimizer: without it `make test` took 14:45 instead of 16:32 on 2 cores,
-# with the same results (every exact check still exact). The docs build and the bench keep
-# XLA's default; launches that pass their own XLA_FLAGS (the bench's memory dumps) too.
-os.environ.setdefault("XLA_FLAGS", "--xla_backend_optimization_level=0")
+TUTORIAL_ENV.setdefault("PJRT_DEVICE", "CPU")
 
 TUTORIALS = Path(__file__).parent / "tutorials"
 #: Executable pages outside tutorials/: the landing page's example runs as a test too.
@@ -59,10 +71,12 @@ class TutorialFile(pytest.File):
         if self.failed_cell is not None:
             pytest.skip(f"not run: an earlier cell ({self.failed_cell}) failed")
         if self.runner is None:
-            self.runner = CellRunner(self.path)
+            self.runner = CellRunner(self.path, env=TUTORIAL_ENV)
             self.session.config.add_cleanup(self.runner.close)
         try:
             self.runner.run(item.cell.index)
+            if item.last and self.runner.complete:  # every cell ran and passed: docs reuse it
+                cache_executed(self.runner)
         except BaseException:
             self.failed_cell = item.name
             raise

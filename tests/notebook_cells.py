@@ -4,16 +4,35 @@ The docs (Sphinx + myst-nb) and the test suite must execute the same cells, so b
 MyST-markdown notebooks with myst-nb's own reader. :class:`CellRunner` keeps one Jupyter kernel
 per notebook and runs its code cells in order; the pytest collector in the repository's root
 ``conftest.py`` turns each code cell into one test item.
+
+A notebook whose every cell ran and passed is saved with its outputs to :data:`EXECUTED_CACHE`,
+a jupyter-cache that the docs build reads (``nb_execution_mode = "cache"`` in docs/conf.py): the
+site shows what the test run executed, and each tutorial executes once per CI run. A notebook
+not in the cache (a clean tree, a changed cell, outputs older than the library) is executed by
+the docs build itself.
 """
 
 from __future__ import annotations
 
+import copy
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["CodeCell", "CellRunner", "code_cells", "excluded_cells", "read_notebook"]
+__all__ = [
+    "EXECUTED_CACHE",
+    "CodeCell",
+    "CellRunner",
+    "cache_executed",
+    "code_cells",
+    "excluded_cells",
+    "read_notebook",
+]
+
+#: The jupyter-cache shared by the test run (writes) and the docs build (reads).
+EXECUTED_CACHE = Path(__file__).resolve().parents[1] / "docs" / "_build" / ".jupyter_cache"
 
 #: Cell tags and metadata with which myst-nb or nbclient would not run a cell (or accept its error).
 EXCLUDING_TAGS = frozenset({"skip-execution", "raises-exception", "remove-cell-execution"})
@@ -69,32 +88,67 @@ class CellRunner:
     ``nbclient.exceptions.CellExecutionError`` with the cell's source and traceback.
     """
 
-    def __init__(self, path: str | Path, timeout: float = 900.0) -> None:
+    def __init__(
+        self, path: str | Path, timeout: float = 900.0, env: dict[str, str] | None = None
+    ) -> None:
         import nbclient
 
         self.path = Path(path)
         self.nb = read_notebook(self.path)
+        self.env = dict(os.environ if env is None else env)
+        self.env.setdefault("PYTHONWARNINGS", "default")
         self.client = nbclient.NotebookClient(
             self.nb,
             kernel_name="python3",
             timeout=timeout,
             allow_errors=False,
+            record_timing=False,  # cell metadata stays as read: the cache's key hashes it
             resources={"metadata": {"path": str(self.path.parent)}},
         )
         self._started = False
+        self.ran: list[int] = []  # cells that ran and passed, in order
+        self.seconds = 0.0  # their total wall time
 
     def run(self, index: int) -> None:
         """Execute cell ``index`` (an index into all cells, as in :class:`CodeCell`)."""
+        t0 = time.perf_counter()
         if not self._started:
-            env = dict(os.environ, PYTHONWARNINGS=os.environ.get("PYTHONWARNINGS", "default"))
             self.client.km = self.client.create_kernel_manager()
-            self.client.start_new_kernel(env=env)
+            self.client.start_new_kernel(env=self.env)
             self.client.start_new_kernel_client()
             self._started = True
         self.client.execute_cell(self.nb.cells[index], index)
+        self.seconds += time.perf_counter() - t0
+        self.ran.append(index)
+
+    @property
+    def complete(self) -> bool:
+        """Every code cell ran, in order, and passed."""
+        return self.ran == [i for i, c in enumerate(self.nb.cells) if c.cell_type == "code"]
 
     def close(self) -> None:
         """Shut the kernel down (a no-op when it never started)."""
         if self._started:
             self.client._cleanup_kernel()
             self._started = False
+
+
+def cache_executed(runner: CellRunner, cache_path: str | Path = EXECUTED_CACHE) -> None:
+    """Save a completely executed notebook, outputs included, for the docs build.
+
+    The key is jupyter-cache's hash of the code cells' source and metadata and the kernelspec,
+    computed by the docs build from the page as it reads it: a changed cell misses the cache.
+    """
+    if not runner.complete:
+        raise ValueError(f"{runner.path}: not every cell ran; nothing to cache")
+    from jupyter_cache import get_cache
+    from jupyter_cache.base import CacheBundleIn
+
+    executed = copy.deepcopy(runner.nb)
+    executed.metadata.pop("source_map", None)
+    cache = get_cache(str(cache_path))
+    cache.cache_notebook_bundle(
+        CacheBundleIn(executed, str(runner.path), data={"execution_seconds": runner.seconds}),
+        check_validity=False,
+        overwrite=True,
+    )
