@@ -200,9 +200,11 @@ def _test_files_directive():
                 section = nodes.section(ids=[label.replace("_", "-")], names=[label])
                 section += nodes.title(text=f"tests/{path.name}")
                 self.state.document.note_explicit_target(section)
-                body = [*doc.splitlines(), "", f".. dropdown:: Source of tests/{path.name}", ""]
-                body += [f"   .. literalinclude:: /../tests/{path.name}"]
-                body += ["      :language: python", ""]
+                # The page is MyST markdown, so the nested content is MyST too (reST here
+                # would show as raw text: docs-check fails on that).
+                body = [*doc.splitlines(), "", f":::{{dropdown}} Source of tests/{path.name}"]
+                body += [f"```{{literalinclude}} /../tests/{path.name}", ":language: python"]
+                body += ["```", ":::", ""]
                 nested_parse_with_titles(self.state, StringList(body, source=str(path)), section)
                 out.append(section)
             return out
