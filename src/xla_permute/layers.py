@@ -92,13 +92,19 @@ def _count(value: object, name: str, minimum: int = 1) -> int:
     return value
 
 
-def _world(world_size: object, rank: object, groups: Groups) -> tuple[int, int]:
-    """The group size and this rank's position in it: given, or asked from a running mesh."""
+def _world(
+    world_size: object, rank: object, groups: Groups, backend: str = "auto"
+) -> tuple[int, int]:
+    """The group size and this rank's position in it: given, or asked from the backend (a
+    running mesh, or torch.distributed's process group)."""
+    from xla_permute.backend import distributed_ready
+
     if world_size is not None:
         world_size = _count(world_size, "world_size")
     if rank is not None:
         rank = _count(rank, "rank", 0)
-    if world_size is None or rank is None:
+    on_c10d = backend == "c10d" or (backend == "auto" and distributed_ready())
+    if (world_size is None or rank is None) and not on_c10d:
         import torch_xla
 
         if not torch_xla._XLAC._xla_runtime_is_initialized():
@@ -108,7 +114,8 @@ def _world(world_size: object, rank: object, groups: Groups) -> tuple[int, int]:
                 "here and break a later run_on_mesh. Build the layer inside the rank function, "
                 "or pass both"
             )
-        size, position, _ = ring_of(groups)
+    if world_size is None or rank is None:
+        size, position, _ = ring_of(groups, backend)
         world_size = size if world_size is None else world_size
         rank = position if rank is None else rank
     if not 0 <= rank < world_size:
@@ -248,7 +255,7 @@ class _ParallelLinear(nn.Module):
         self.strategy = _strategy(strategy, collective_matmul)
         self.groups = None if groups is None else [list(g) for g in groups]
         self.backend = backend
-        world_size, rank = _world(world_size, rank, self.groups)
+        world_size, rank = _world(world_size, rank, self.groups, backend)
         if self._sharded == "out":
             out_local = _shard(out_features, world_size, "out_features")
             shape, bias_features = (out_local, in_features), out_local
@@ -278,17 +285,25 @@ class _ParallelLinear(nn.Module):
                 f"{name}.weight is on {self.weight.device} but the input is on {x.device}; "
                 f"move the module first with .to(x.device)"
             )
-        size, position, _ = ring_of(self.groups)
+        from xla_permute.backend import get_backend
+
+        comm = get_backend(self.backend, x if isinstance(x, torch.Tensor) else None)
+        size, position, _ = ring_of(self.groups, comm)
         if (size, position) != (self.world_size, self.rank):
             raise ValueError(
                 f"{name} was built for rank {self.rank} of {self.world_size} but runs on rank "
                 f"{position} of a group of {size}; build it inside the rank function (or pass "
                 f"the right world_size=, rank=, groups=)"
             )
-        if self.strategy == "xla":
-            import torch_xla.runtime as xr
-
-            _warn_xla_recipe(xr.device_type())
+        expected = self.weight.shape[1]  # in_features (column) or in_features/N (row)
+        if isinstance(x, torch.Tensor) and (x.dim() < 2 or x.shape[-1] != expected):
+            what = "in_features" if self._sharded == "out" else "in_features/N"
+            raise ValueError(
+                f"{name} takes x [..., {what} = {expected}] on every rank, got x of shape "
+                f"{tuple(x.shape)}"
+            )
+        if self.strategy == "xla" and comm.name != "c10d":
+            _warn_xla_recipe(comm.device_type)
         if self.strategy != "auto":
             return "ring" if self.strategy == "ring" else "baseline"
         op = "all_gather_matmul" if self._sharded == "out" else "matmul_reduce_scatter"
@@ -296,7 +311,8 @@ class _ParallelLinear(nn.Module):
         rows = x.numel() // max(x.shape[-1], 1) // max(x.shape[self.dim], 1) * local
         return choose_strategy(
             op, m=rows, k=self.weight.shape[1], n=self.weight.shape[0] * weights, n_devices=size,
-            dtype_bytes=x.element_size(), bidirectional=self.bidirectional, chip=_chip(),
+            dtype_bytes=x.element_size(), bidirectional=self.bidirectional,
+            chip=None if comm.name == "c10d" else _chip(),
         )  # fmt: skip
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
@@ -389,6 +405,23 @@ class RowParallelLinear(_ParallelLinear):
         return y + sum_gradients(self.bias, groups=self.groups)
 
 
+def _check_chain(
+    block: str, first_name: str, first: _ParallelLinear, second_name: str, second: _ParallelLinear
+) -> None:
+    """A column-parallel layer feeding a row-parallel one: the same ranks, the same sharded
+    dimension, and the first's outputs are the second's inputs (checked once, when built)."""
+    same = ("dim", "groups", "world_size", "rank")
+    differ = [a for a in same if getattr(first, a) != getattr(second, a)]
+    if first.out_features != second.in_features:
+        differ.append(f"{first_name}.out_features = {first.out_features} vs {second_name}."
+                      f"in_features = {second.in_features}")  # fmt: skip
+    if differ:
+        raise ValueError(
+            f"{block}: {first_name} feeds {second_name}, so they must agree on {differ}; "
+            f"build both with the same world_size=, rank=, groups= and dim="
+        )
+
+
 class SequenceParallelMLP(nn.Module):
     """Transformer MLP block, sequence parallel: ``[B, S/N, H] -> [B, S/N, H]``.
 
@@ -403,6 +436,7 @@ class SequenceParallelMLP(nn.Module):
         activation: Callable[[torch.Tensor], torch.Tensor] = nn.functional.gelu,
     ) -> None:
         super().__init__()
+        _check_chain("SequenceParallelMLP", "fc1", fc1, "fc2", fc2)
         self.fc1, self.fc2, self.activation = fc1, fc2, activation
 
     @classmethod
@@ -448,6 +482,7 @@ class GatedMLP(nn.Module):
         differ = [a for a in same if getattr(gate, a) != getattr(up, a)]
         if differ:
             raise ValueError(f"GatedMLP: gate and up must agree on {differ} to share a ring")
+        _check_chain("GatedMLP", "gate", gate, "down", down)
         self.gate, self.up, self.down, self.activation = gate, up, down, activation
 
     @classmethod
