@@ -172,3 +172,54 @@ def pipeline_cases(cases: list[dict[str, Any]], traced: tuple[torch.Tensor, ...]
     results = [mlp_step(case) for case in cases]
     torch_xla.sync()
     return {"errors": errors, "cases": results, "traced": traced_step_programs(*traced)}
+
+
+def schedule_step(case: dict[str, Any]) -> dict[str, Any]:
+    """One ``xp.pipeline_step`` of the MLP on this rank (traced; the caller syncs).
+
+    A case: ``inputs``, ``targets`` (``(replicas, M, batch, dim)``), ``schedule``, ``stages``
+    (per pipeline), ``chunks`` and optionally ``wrap``. Chunk ``c`` of this rank is virtual
+    stage ``c * stages + position`` of the reference model. Returns this rank's ``loss``, the
+    ``grads`` of every chunk (by virtual stage), its ``replica``, ``position`` and what ran
+    (``executed``, ``live``, ``shifts``).
+    """
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    from xla_permute import pipeline_step
+
+    device, stages, chunks = torch_xla.device(), case["stages"], case["chunks"]
+    replica, position = divmod(xr.global_ordinal(), stages)
+    virtual = [c * stages + position for c in range(chunks)]
+    params = [
+        {k: v.to(device).requires_grad_() for k, v in mlp_stage_params(s).items()} for s in virtual
+    ]
+    step = pipeline_step(
+        [functools.partial(mlp_stage, p) for p in params],
+        case["inputs"][replica].to(device),
+        case["targets"][replica].to(device),
+        lambda y, t: (y * t).sum(),
+        schedule=case["schedule"],
+        stages=stages,
+        wrap=case.get("wrap"),
+    )
+    return {
+        "loss": step.loss,
+        "grads": {s: {k: v.grad for k, v in ps.items()} for s, ps in zip(virtual, params)},
+        "replica": replica,
+        "position": position,
+        "executed": step.executed,
+        "live": step.live,
+        "shifts": step.shifts,
+    }
+
+
+def schedule_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Every :func:`schedule_step` case, one sync each (the results kept until it)."""
+    import torch_xla
+
+    out = []
+    for case in cases:
+        out.append(schedule_step(case))
+        torch_xla.sync()
+    return out

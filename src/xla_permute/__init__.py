@@ -50,7 +50,24 @@ from xla_permute.pairs import (
 
 # Collectives
 from xla_permute.permute import collective_permute
-from xla_permute.pipeline import Schedule, gpipe_schedule, pipeline_forward, pipeline_groups
+from xla_permute.pipeline import (
+    PipelineStep,
+    Schedule,
+    gpipe_schedule,
+    pipeline_forward,
+    pipeline_groups,
+    pipeline_step,
+)
+
+# Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B
+from xla_permute.pipeline_schedule import (
+    PipelineSchedule,
+    Work,
+    interleaved_schedule,
+    make_schedule,
+    one_f_one_b_schedule,
+    split_layers,
+)
 
 # Ring schedules of collective matmul and ring attention, as data
 from xla_permute.schedule import (
@@ -117,13 +134,19 @@ __all__ = [
     "forms_complete_rings",
     "GatedMLP",
     "gpipe_schedule",
+    "interleaved_schedule",
     "inverse_pairs",
     "is_ring",
+    "make_schedule",
     "matmul_reduce_scatter",
     "matmul_then_reduce_scatter",
     "MeshError",
+    "one_f_one_b_schedule",
     "pipeline_forward",
     "pipeline_groups",
+    "pipeline_step",
+    "PipelineSchedule",
+    "PipelineStep",
     "RankError",
     "reduce_scatter",
     "reduce_scatter_schedule",
@@ -140,9 +163,11 @@ __all__ = [
     "SequenceParallelMLP",
     "shard_sequence",
     "shift_pairs",
+    "split_layers",
     "stage_shift",
     "sum_gradients",
     "swiglu",
     "unshard_sequence",
+    "Work",
 ]
 __version__ = "0.1.0"
