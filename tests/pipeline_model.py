@@ -157,3 +157,37 @@ def sendrecv_code_path() -> dict[str, tuple[Counter, str]]:
             calls = Counter(ast.unparse(c.func) for c in ast.walk(loop) if isinstance(c, ast.Call))
             out[fn.name] = (calls, ast.get_source_segment(text, fn) or "")
     return out
+
+
+# ------------------------------------------------------------------- several training steps
+
+
+def make_optimizer(name: str, params: Sequence[torch.Tensor]) -> torch.optim.Optimizer:
+    """``"sgd"`` (lr 2**-12, momentum 0.5) or ``"adamw"`` (lr 1e-2, weight decay 0.1)."""
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=2**-12, momentum=0.5)
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.1)
+
+
+def reference_training(
+    inputs: torch.Tensor, targets: torch.Tensor, *, stages: int, optimizer: str, steps: int
+) -> dict[str, Any]:
+    """``steps`` optimizer steps of the ``stages``-stage model on one device, the same batch
+    every step; grads zeroed the usual way. Returns the per-step ``losses`` and the final
+    ``params`` (one dict per stage)."""
+    params = [
+        {k: v.requires_grad_() for k, v in mlp_stage_params(s).items()} for s in range(stages)
+    ]
+    opt = make_optimizer(optimizer, [v for p in params for v in p.values()])
+    losses = []
+    for _ in range(steps):
+        loss = torch.zeros(())
+        for x, t in zip(inputs, targets, strict=True):
+            for p in params:
+                x = mlp_stage(p, x)
+            loss = loss + (x * t).sum()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+    return {"losses": losses, "params": [{k: v.detach() for k, v in p.items()} for p in params]}

@@ -203,9 +203,10 @@ def schedule_step(case: dict[str, Any]) -> dict[str, Any]:
         stages=stages,
         wrap=case.get("wrap"),
     )
+    grads = {s: {k: v.grad for k, v in p.items()} for s, p in zip(virtual, params, strict=True)}
     return {
         "loss": step.loss,
-        "grads": {s: {k: v.grad for k, v in ps.items()} for s, ps in zip(virtual, params)},
+        "grads": grads,
         "replica": replica,
         "position": position,
         "executed": step.executed,
@@ -223,3 +224,46 @@ def schedule_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
         out.append(schedule_step(case))
         torch_xla.sync()
     return out
+
+
+def train_steps(case: dict[str, Any]) -> dict[str, Any]:
+    """``case["steps"]`` training steps of ``xp.pipeline_step`` on this rank, the same batch
+    each step: ``optimizer.step()``, ``optimizer.zero_grad()``, ``torch_xla.sync()``.
+
+    A case as for :func:`schedule_step` plus ``optimizer`` (see
+    ``pipeline_model.make_optimizer``) and ``steps``. Returns this rank's per-step ``losses``,
+    its chunks' final ``params`` (by virtual stage), ``replica`` and ``position``.
+    """
+    import torch_xla
+    import torch_xla.runtime as xr
+    from pipeline_model import make_optimizer
+
+    from xla_permute import pipeline_step
+
+    device, stages, chunks = torch_xla.device(), case["stages"], case["chunks"]
+    replica, position = divmod(xr.global_ordinal(), stages)
+    virtual = [c * stages + position for c in range(chunks)]
+    params = [
+        {k: v.to(device).requires_grad_() for k, v in mlp_stage_params(s).items()} for s in virtual
+    ]
+    opt = make_optimizer(case["optimizer"], [v for p in params for v in p.values()])
+    inputs = case["inputs"][replica].to(device)
+    targets = case["targets"][replica].to(device)
+    losses = []
+    for _ in range(case["steps"]):
+        step = pipeline_step(
+            [functools.partial(mlp_stage, p) for p in params],
+            inputs,
+            targets,
+            lambda y, t: (y * t).sum(),
+            schedule=case["schedule"],
+            stages=stages,
+        )
+        opt.step()
+        opt.zero_grad()
+        torch_xla.sync()
+        losses.append(step.loss.cpu())
+    final = {
+        s: {k: v.detach().cpu() for k, v in p.items()} for s, p in zip(virtual, params, strict=True)
+    }
+    return {"losses": losses, "params": final, "replica": replica, "position": position}

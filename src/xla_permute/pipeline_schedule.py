@@ -40,6 +40,7 @@ import contextlib
 import operator
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import cached_property
 from typing import Literal
 
 __all__ = [
@@ -121,7 +122,7 @@ class PipelineSchedule:
         """``chunk * stages + rank``: where rank ``rank``'s chunk sits in the model."""
         return chunk * self.stages + rank
 
-    @property
+    @cached_property
     def sends(self) -> tuple[tuple[Send | None, ...], ...]:
         p, last = self.stages, self.virtual_stages - 1
 
