@@ -37,3 +37,23 @@ def test_doctor_exits_non_zero_on_a_failed_check_or_a_dead_mesh(monkeypatch, cap
     monkeypatch.setattr(selftest, "run_checks", broken)
     assert main(["doctor"]) == 1
     assert "self-test could not run: MeshError" in capsys.readouterr().out
+
+
+def test_doctor_lists_caveats_in_one_line_each_and_their_text_on_request(capsys):
+    assert main(["doctor", "--device-type", "CPU", "--no-self-test"]) == 0
+    short = capsys.readouterr().out
+    assert "[error] cpu-thread-pool: the CPU mesh hangs" in short
+    assert "what goes wrong" not in short and "doctor --details" in short
+    assert main(["doctor", "--device-type", "CPU", "--no-self-test", "--details"]) == 0
+    assert "  what goes wrong: XLA:CPU runs the devices'" in capsys.readouterr().out
+
+
+def test_doctor_reports_spmd_mode(monkeypatch, capsys):
+    monkeypatch.delenv("XLA_USE_SPMD", raising=False)
+    assert main(["doctor", "--no-self-test"]) == 0
+    assert "SPMD mode:         off" in capsys.readouterr().out
+    monkeypatch.setenv("XLA_USE_SPMD", "1")
+    assert main(["doctor", "--no-self-test"]) == 0
+    out = capsys.readouterr().out
+    assert "SPMD mode:         on (xr.use_spmd())" in out
+    assert "every collective of xla_permute refuses to run in it" in out

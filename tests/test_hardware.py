@@ -38,6 +38,9 @@ def test_every_caveat_is_complete_and_sourced():
         assert c.id in c.format() and all(url in c.format() for url in c.sources)
 
 
+SPMD = ("spmd-manual-collectives", "spmd-roll-all-gather")
+
+
 @pytest.mark.parametrize(
     "device_type, required",
     [
@@ -48,6 +51,7 @@ def test_every_caveat_is_complete_and_sourced():
                 "tpu-libtpu-overlap-flags",
                 "pin-layout",
                 "collective-token",
+                *SPMD,
             },
         ),
         (
@@ -60,9 +64,10 @@ def test_every_caveat_is_complete_and_sourced():
                 "neuron-xla-training-ended",
                 "pin-layout",
                 "collective-token",
+                *SPMD,
             },
         ),
-        ("CPU", {"cpu-thread-pool", "cpu-channel-ids", "pin-layout", "collective-token"}),
+        ("CPU", {"cpu-thread-pool", "cpu-channel-ids", "pin-layout", "collective-token", *SPMD}),
         ("CUDA", {"gpu-removed", "pin-layout"}),
     ],
 )
@@ -74,6 +79,27 @@ def test_collective_matmul_caveat_names_the_collective_arguments():
     (flag,) = [c for c in caveats("TPU") if c.id == "tpu-collective-matmul-flag"]
     for needed in ("pin_layout=False", "channel_id", "use_global_device_ids=True", "once"):
         assert needed in flag.what_goes_wrong
+
+
+def test_caveats_as_markdown_tables():
+    cpu = caveats("CPU")
+    table = hardware.caveat_table(cpu, ("id", "severity", "sources")).splitlines()
+    assert table[:2] == ["| id | severity | sources |", "|---|---|---|"]
+    assert len(table) == 2 + len(cpu) and all(t.count("|") - t.count("\\|") == 4 for t in table)
+    (pin,) = [t for t in table if "`pin-layout`" in t]
+    assert "[pytorch/xla#3511](https://github.com/pytorch/xla/pull/3511)" in pin
+    one = next(c for c in cpu if c.id == "spmd-manual-collectives").markdown().splitlines()
+    assert one[:2] == ["| `spmd-manual-collectives` | error |", "|---|---|"]
+    assert [line.split(" | ")[0] for line in one[2:]] == [
+        "| summary",
+        "| what goes wrong",
+        "| this package",
+        "| evidence",
+        "| sources",
+    ]
+    assert all(line.count("|") - line.count("\\|") == 3 for line in one)
+    with pytest.raises(ValueError, match="columns must be Caveat fields"):
+        hardware.caveat_table(cpu, ("id", "severty"))
 
 
 def test_caveat_device_type_names():
@@ -240,6 +266,25 @@ def test_detect_cpu_from_the_configuration(monkeypatch):
     assert not env.runtime_initialized
     assert not torch_xla._XLAC._xla_runtime_is_initialized()  # run_on_mesh still works
     assert "CPU (from PJRT_DEVICE)" in env.format()
+    assert not env.spmd and "SPMD mode:         off" in env.format()
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("true", True), ("0", False)])
+def test_detect_spmd_mode_as_torch_xla_reads_it(monkeypatch, value, on):
+    import torch_xla.runtime as xr
+
+    _clean_env(monkeypatch, PJRT_DEVICE="CPU", XLA_USE_SPMD=value)
+    env = hardware.detect()
+    assert env.spmd is on is hardware.spmd_mode() is xr.is_spmd()
+    assert ("SPMD mode:         on (xr.use_spmd())" in env.format()) is on
+
+
+def test_every_op_is_refused_in_spmd_mode_naming_it_and_the_fix():
+    hardware.check_not_spmd("all_gather_matmul", {"XLA_USE_SPMD": "0"})
+    with pytest.raises(ValueError, match=r"all_gather_matmul cannot run in torch_xla's SPMD") as e:
+        hardware.check_not_spmd("all_gather_matmul", {"XLA_USE_SPMD": "1"})
+    for fix in ("without use_spmd()", "run_on_mesh", "xr.world_size() is 1", "aborts"):
+        assert fix in str(e.value)
 
 
 def test_detect_tpu_generation_and_neuron_cores(monkeypatch):

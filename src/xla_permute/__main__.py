@@ -17,7 +17,10 @@ def _demo(args: argparse.Namespace) -> int:
 def _doctor(args: argparse.Namespace) -> int:
     from xla_permute.tools.doctor import main as doctor
 
-    return doctor(n=args.n, device_type=args.device_type, self_test=not args.no_self_test)
+    return doctor(
+        n=args.n, device_type=args.device_type, self_test=not args.no_self_test,
+        details=args.details,
+    )  # fmt: skip
 
 
 def _bench(args: argparse.Namespace) -> int:
@@ -71,6 +74,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="show the caveats of this device type (default: detected)",
     )
     doctor.add_argument("--no-self-test", action="store_true", help="skip the mesh self-test")
+    doctor.add_argument(
+        "--details", action="store_true", help="each caveat's whole text, not one line"
+    )
     doctor.set_defaults(func=_doctor)
     from xla_permute.tools.bench import add_arguments as add_bench_arguments
 

@@ -21,6 +21,9 @@ Which checks raise and which warn:
   do not form complete rings (an open chain such as a pipeline's ``0 -> 1 -> 2``).
 * :class:`HardwareWarning` (it runs, but may not mean what XLA says): on Neuron, ranks that
   are in no pair (XLA gives them zeros; Neuron leaves them inactive) and 64-bit dtypes.
+* :class:`ValueError` from :func:`check_not_spmd`: every collective of this package in
+  torch_xla's SPMD mode (``xr.use_spmd()``), where one program runs on all devices and its
+  collectives would see a world of one rank (:func:`spmd_mode` tells).
 
 Facts this project could not confirm in a public source say so in their caveat
 (``Caveat.evidence``) instead of citing one.
@@ -32,13 +35,14 @@ Facts this project could not confirm in a public source say so in their caveat
 Traceback (most recent call last):
 ...
 ValueError: pairs [(0, 1), (1, 2)] form an open chain 0 -> 1 -> 2: NEURON runs only ...
->>> sorted(c.id for c in caveats("CPU"))
-['collective-token', 'cpu-channel-ids', 'cpu-thread-pool', 'pin-layout']
+>>> sorted(c.id for c in caveats("CPU"))  # doctest: +NORMALIZE_WHITESPACE
+['collective-token', 'cpu-channel-ids', 'cpu-thread-pool', 'pin-layout',
+ 'spmd-manual-collectives', 'spmd-roll-all-gather']
 """
 
 from __future__ import annotations
 
-from xla_permute.hardware.catalog import DEVICE_TYPES, SEVERITIES, Caveat, caveats
+from xla_permute.hardware.catalog import DEVICE_TYPES, SEVERITIES, Caveat, caveat_table, caveats
 from xla_permute.hardware.environment import (
     CollectiveSignature,
     Environment,
@@ -48,8 +52,10 @@ from xla_permute.hardware.environment import (
 from xla_permute.hardware.rules import (
     HardwareWarning,
     check_device_pairs,
+    check_not_spmd,
     device_type_name,
     requires_complete_rings,
+    spmd_mode,
 )
 from xla_permute.hardware.tpu import (
     DumpReport,
@@ -67,12 +73,15 @@ __all__ = [
     "Environment",
     "HardwareWarning",
     "TpuCollectiveMatmulSetup",
+    "caveat_table",
     "caveats",
     "check_device_pairs",
+    "check_not_spmd",
     "collective_signatures",
     "detect",
     "device_type_name",
     "read_dump",
     "requires_complete_rings",
+    "spmd_mode",
     "tpu_collective_matmul_setup",
 ]

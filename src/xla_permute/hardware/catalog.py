@@ -4,17 +4,20 @@ Each :class:`Caveat` has what goes wrong, the upstream sources, what this packag
 and what this project checked itself (``evidence``); facts it could not confirm in a public
 source say so there instead of citing one. :func:`caveats` lists them per device type.
 
->>> sorted(c.id for c in caveats("CPU"))
-['collective-token', 'cpu-channel-ids', 'cpu-thread-pool', 'pin-layout']
+>>> sorted(c.id for c in caveats("CPU"))  # doctest: +NORMALIZE_WHITESPACE
+['collective-token', 'cpu-channel-ids', 'cpu-thread-pool', 'pin-layout',
+ 'spmd-manual-collectives', 'spmd-roll-all-gather']
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from xla_permute.hardware.rules import device_type_name
 
-__all__ = ["DEVICE_TYPES", "SEVERITIES", "Caveat", "caveats"]
+__all__ = ["DEVICE_TYPES", "SEVERITIES", "Caveat", "caveat_table", "caveats"]
 
 #: The severities of a caveat, most severe first. ``error``: the program fails, hangs or is
 #: refused; ``silent``: wrong or unexpected results without an error; ``performance``;
@@ -63,6 +66,73 @@ class Caveat:
             )
         lines += [f"  source: {url}" for url in self.sources]
         return "\n".join(lines)
+
+    def markdown(self) -> str:
+        """A two-column markdown table of this caveat (for notebooks: ``IPython.display``'s
+        ``Markdown``), its sources as links.
+
+        >>> cpu = {c.id: c for c in caveats("CPU")}
+        >>> print(cpu["cpu-channel-ids"].markdown().splitlines()[0])
+        | `cpu-channel-ids` | error |
+        """
+        rows = [
+            ("summary", self.summary),
+            ("what goes wrong", self.what_goes_wrong),
+            ("this package", self.library_action),
+            ("evidence", self.evidence),
+        ]
+        if self.sources:
+            rows.append(("sources", ", ".join(_link(url) for url in self.sources)))
+        lines = [f"| `{self.id}` | {self.severity} |", "|---|---|"]
+        lines += [f"| {label} | {_cell(text)} |" for label, text in rows]
+        return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    """``text`` for one cell of a markdown pipe table."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _link(url: str) -> str:
+    """A markdown link with a short name: ``pytorch/xla#8855`` for an issue or pull request."""
+    parts = url.removeprefix("https://github.com/").split("/")
+    if url.startswith("https://github.com/") and len(parts) >= 4 and parts[2] in ("issues", "pull"):
+        name = f"{parts[0]}/{parts[1]}#{parts[3]}"
+    else:
+        name = url.rstrip("/").rsplit("/", 1)[-1] or url
+    return f"[{name}]({url})"
+
+
+def caveat_table(
+    selected: Sequence[Caveat], columns: Sequence[str] = ("severity", "id", "summary")
+) -> str:
+    """A markdown pipe table with one row per caveat and the given :class:`Caveat` fields as
+    columns (``sources`` as links); for notebooks, shown with ``IPython.display.Markdown``.
+
+    >>> print(caveat_table(caveats("CUDA")[:1]))
+    | severity | id | summary |
+    |---|---|---|
+    | silent | `pin-layout` | pin_layout: default True on most xm collectives, absent on ... |
+    """
+    fields = {f.name for f in dataclasses.fields(Caveat)}
+    bad = [c for c in columns if c not in fields]
+    if bad or not columns:
+        raise ValueError(f"columns must be Caveat fields ({', '.join(sorted(fields))}), got {bad}")
+    head = [f"| {' | '.join(c.replace('_', ' ') for c in columns)} |"]
+    head.append("|" + "---|" * len(columns))
+
+    def value(caveat: Caveat, column: str) -> str:
+        v = getattr(caveat, column)
+        if column == "id":
+            return f"`{v}`"
+        if column == "sources":
+            return ", ".join(_link(url) for url in v)
+        if column == "applies_to":
+            return ", ".join(v)
+        return _cell(str(v))
+
+    rows = [f"| {' | '.join(value(c, col) for col in columns)} |" for c in selected]
+    return "\n".join(head + rows)
 
 
 _CAVEATS: tuple[Caveat, ...] = (
@@ -355,6 +425,64 @@ _CAVEATS: tuple[Caveat, ...] = (
         sources=(),
         evidence=(
             "executed on every build in tutorials/01_getting_started.md (How the examples run)"
+        ),
+    ),
+    Caveat(
+        id="spmd-manual-collectives",
+        applies_to=("TPU", "NEURON", "CPU"),
+        severity="error",
+        summary=(
+            "in SPMD mode, xm.collective_permute in a manual-sharding region aborts and "
+            "xm.all_reduce there is dropped"
+        ),
+        what_goes_wrong=(
+            "With xr.use_spmd() torch_xla traces one program for all devices and "
+            "xr.world_size() is 1. Inside a manual-sharding region, as torch_xla's "
+            "experimental _shard_map builds it (enable_manual_sharding, the function on each "
+            "shard, disable_manual_sharding), an xm.all_gather with a channel_id "
+            "(pin_layout=False, use_global_device_ids=True) runs over the devices; "
+            "xm.collective_permute carries no channel id, so it is a cross-replica permute "
+            "over a single replica and the process aborts (std::out_of_range, 'Span::at failed "
+            "bounds check' on XLA:CPU); xm.all_reduce takes its world-size-1 path and returns "
+            "its input unchanged, with no all-reduce in the program and no error."
+        ),
+        library_action=(
+            "Every collective of this package refuses to run in SPMD mode "
+            "(xla_permute.hardware.check_not_spmd: a ValueError naming the op and the "
+            "multi-process mode that runs it), instead of seeing a world of one rank; "
+            "python -m xla_permute doctor reports SPMD mode."
+        ),
+        sources=(
+            f"{_PT_XLA}/blob/v2.9.0/torch_xla/experimental/custom_kernel.py",
+            f"{_PT_XLA}/blob/v2.9.0/torch_xla/core/xla_model.py",
+            f"{_PT_XLA}/blob/v2.9.0/torch_xla/runtime.py",
+        ),
+        evidence=(
+            "executed on every build in tutorials/04_hardware_caveats.md (Hardware caveats, "
+            "SPMD mode) in child processes on a 4-device CPU mesh, the abort in one of its own"
+        ),
+    ),
+    Caveat(
+        id="spmd-roll-all-gather",
+        applies_to=("TPU", "NEURON", "CPU"),
+        severity="performance",
+        summary="GSPMD lowered a torch.roll of a sharded dimension to an all-gather",
+        what_goes_wrong=(
+            "In SPMD mode the partitioner chooses the collectives. A torch.roll along the "
+            "sharded dimension of a tensor sharded over a 4-device XLA:CPU mesh compiled to "
+            "one all-gather of the whole tensor and a slice, not a collective-permute: N times "
+            "the bytes a ring hop sends, and the whole tensor held on every device. Not "
+            "checked on a TPU by this project."
+        ),
+        library_action=(
+            "None in SPMD mode. In the multi-process mode collective_permute issues the "
+            "permute explicitly (one collective-permute on the native backend) and the rings "
+            "of this package build on it."
+        ),
+        sources=(),
+        evidence=(
+            "executed on every build in tutorials/04_hardware_caveats.md (Hardware caveats, "
+            "SPMD mode): the optimized program read from XLA's dump"
         ),
     ),
     Caveat(

@@ -15,7 +15,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from xla_permute.hardware.rules import device_type_name
+from xla_permute.hardware.rules import device_type_name, spmd_mode
 
 __all__ = ["CollectiveSignature", "Environment", "collective_signatures", "detect"]
 
@@ -29,6 +29,8 @@ class Environment:
     ``NEURON_RT_VISIBLE_CORES``), or None when unknown. ``source`` says which:
     ``"runtime"``, ``"PJRT_DEVICE"`` (set by the user) or ``"torch_xla default"`` (chosen by
     torch_xla at import). ``variables`` holds the relevant environment variables that are set.
+    ``spmd``: torch_xla's SPMD mode is on (``xr.use_spmd()``), where this package's collectives
+    are refused (:func:`~xla_permute.hardware.check_not_spmd`).
     """
 
     device_type: str
@@ -39,6 +41,7 @@ class Environment:
     source: str
     runtime_initialized: bool
     variables: dict[str, str] = field(default_factory=dict)
+    spmd: bool = False
 
     def format(self) -> str:
         """Plain-text lines for ``python -m xla_permute doctor``."""
@@ -50,6 +53,13 @@ class Environment:
             f"torch_xla:         {self.torch_xla_version}",
             f"TPU generation:    {self.tpu_generation or '-'}",
             f"runtime started:   {self.runtime_initialized}",
+            "SPMD mode:         "
+            + (
+                "on (xr.use_spmd()): xla_permute's collectives refuse to run; caveat "
+                "spmd-manual-collectives"
+                if self.spmd
+                else "off"
+            ),
         ]
         lines += [f"  {k}={v}" for k, v in sorted(self.variables.items())]
         return "\n".join(lines)
@@ -136,6 +146,7 @@ def detect() -> Environment:
             source="PJRT_DEVICE" if preset else "torch_xla not installed",
             runtime_initialized=False,
             variables={k: os.environ[k] for k in _VARIABLES if k in os.environ},
+            spmd=spmd_mode(),
         )
     finally:
         if quiet:
@@ -164,6 +175,7 @@ def detect() -> Environment:
         source="runtime" if running else ("PJRT_DEVICE" if preset else "torch_xla default"),
         runtime_initialized=running,
         variables={k: os.environ[k] for k in _VARIABLES if k in os.environ},
+        spmd=spmd_mode(),
     )
 
 

@@ -24,12 +24,21 @@ any partial permutation. The caveats behind each rule are in :func:`xla_permute.
 from __future__ import annotations
 
 import operator
+import os
 import warnings
+from collections.abc import Mapping
 from typing import Any
 
 from xla_permute import pairs as _pairs
 
-__all__ = ["HardwareWarning", "check_device_pairs", "device_type_name", "requires_complete_rings"]
+__all__ = [
+    "HardwareWarning",
+    "check_device_pairs",
+    "check_not_spmd",
+    "device_type_name",
+    "requires_complete_rings",
+    "spmd_mode",
+]
 
 
 class HardwareWarning(UserWarning):
@@ -143,3 +152,52 @@ def check_device_pairs(
             HardwareWarning,
             stacklevel=2,
         )
+
+
+#: torch_xla's switch for SPMD mode: ``xr.use_spmd()`` sets it, ``xr.is_spmd()`` reads it.
+SPMD_ENV = "XLA_USE_SPMD"
+
+
+def spmd_mode(environ: Mapping[str, str] | None = None) -> bool:
+    """True when torch_xla runs in SPMD mode (``xr.use_spmd()``), read as ``xr.is_spmd()``
+    reads it (``XLA_USE_SPMD`` is ``1`` or ``true``), without importing torch_xla.
+
+    >>> spmd_mode({"XLA_USE_SPMD": "1"}), spmd_mode({})
+    (True, False)
+    """
+    env = os.environ if environ is None else environ
+    return env.get(SPMD_ENV, "").strip().lower() in ("1", "true")
+
+
+def check_not_spmd(op: str, environ: Mapping[str, str] | None = None) -> None:
+    """Refuse ``op`` (a collective of this package) in torch_xla's SPMD mode.
+
+    In SPMD mode one program runs on every device and ``xr.world_size()`` is 1, so an op
+    written for one program per device would see a single rank: its permutes would send to
+    itself and its all-gathers gather one block, silently. Inside a manual-sharding region
+    (torch_xla's experimental ``_shard_map``) ``xm.collective_permute`` aborts the process
+    (no channel id: a cross-replica permute with one replica) and ``xm.all_reduce`` is
+    dropped (its world-size-1 path). The hardware caveat ``spmd-manual-collectives`` has the
+    evidence.
+
+    Raises:
+        ValueError: in SPMD mode, naming ``op`` and the two ways that work.
+
+    >>> check_not_spmd("collective_permute", {})
+    >>> check_not_spmd("collective_permute", {"XLA_USE_SPMD": "1"})
+    Traceback (most recent call last):
+    ...
+    ValueError: collective_permute cannot run in torch_xla's SPMD mode (xr.use_spmd()): ...
+    """
+    if not spmd_mode(environ):
+        return
+    raise ValueError(
+        f"{op} cannot run in torch_xla's SPMD mode (xr.use_spmd()): there one program runs on "
+        f"every device and xr.world_size() is 1, so this package's collectives, written for "
+        f"one program per device, would see a single rank; inside a manual-sharding region "
+        f"(torch_xla's _shard_map) xm.collective_permute aborts the process and xm.all_reduce "
+        f"is silently dropped. Run {op} in the multi-process mode (one process or device "
+        f"thread per device: torch_xla.launch, xmp.spawn, xla_permute.run_on_mesh) without "
+        f"use_spmd(), or in SPMD mode leave the communication to the partitioner "
+        f"(xs.mark_sharding). See xla_permute.hardware.caveats(), id spmd-manual-collectives"
+    )
