@@ -150,7 +150,8 @@ def format_report(result: dict[str, Any]) -> str:
             "",
             f"Debug mode (XLA_PERMUTE_DEBUG=1) cost: a permute ring of one x block takes "
             f"{result['debug_mode_ratio']:.2f}x its time without the check (emulated, slowest "
-            f"rank).",
+            f"rank). The mesh turns the debug mode on by default; every other figure here is "
+            f"measured with it off (XLA_PERMUTE_DEBUG=0).",
         ]
     for r in result["programs"]:
         rr = against["n"].get(r["name"], {})

@@ -18,6 +18,7 @@ from dataclasses import asdict
 from typing import Any
 
 from xla_permute import hlo
+from xla_permute.debug import ENV as DEBUG_ENV
 from xla_permute.tools.bench.measure import (
     REDUCE_DTYPES,
     TOKEN_ENV,
@@ -100,7 +101,10 @@ def run_bench(
     cfg = asdict(config)
     progs = list(PROGRAMS)
     t_start = time.perf_counter()
-    default_env = {TOKEN_ENV: TOKEN_VARIANTS["token"]}
+    # The mesh turns the debug mode on by default; the bench times a correct program, so it
+    # turns it off, and debug_cost measures the check on its own (both modes, explicitly).
+    no_check = {DEBUG_ENV: "0"}
+    default_env = {TOKEN_ENV: TOKEN_VARIANTS["token"], **no_check}
 
     def launch(label: str, fn: Callable[..., Any], *args: Any, n: int, **kwargs: Any) -> Any:
         say(f"{label} on a {n}-device CPU mesh ...")
@@ -123,7 +127,7 @@ def run_bench(
                 by_size[size][variant] = launch(
                     f"native compiles with XLA dumps, {TOKEN_ENV}={value}",
                     memory_rank, progs, cfg, dump, n=size,
-                    env={"XLA_FLAGS": flags, TOKEN_ENV: value},
+                    env={"XLA_FLAGS": flags, TOKEN_ENV: value, **no_check},
                 )  # fmt: skip
     memory = by_size[config.n]
     scaling_raw = None
