@@ -42,15 +42,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from xla_permute.pairs import global_pairs, ring_pairs
-from xla_permute.permute import (
-    Backend,
-    _permute,
-    check_xla_tensor,
-    collective_permute,
-    resolve_backend,
-    ring_of,
-)
+from xla_permute.backend import CommBackend, Handle, Ring, check_tensor, ring
+from xla_permute.permute import Backend
 from xla_permute.schedule import AttentionHop, ring_attention_schedule
 from xla_permute.sequence import check_layout, layout_chunks
 
@@ -101,26 +94,16 @@ class _Plan(NamedTuple):
 
     n: int
     rank: int
-    groups: tuple[tuple[int, ...], ...] | None
-    backend: str
+    ring: Ring
     layout: str
     scale: float
     acc: torch.dtype
     schedule: tuple[AttentionHop, ...]
 
-    def send(self, x: torch.Tensor) -> torch.Tensor:
-        """Every rank's ``x`` to rank r+1 (group-local): one collective-permute."""
-        return collective_permute(
-            x.contiguous(), ring_pairs(self.n), groups=self.groups, backend=self.backend
-        )
-
-    def send_checked(self, x: torch.Tensor) -> torch.Tensor:
-        """:meth:`send` without its checks, which the forward ran: for the backward, which
-        autograd runs on a thread of its own (outside the caller's ``xp.hlo.tracing()``)."""
-        import torch_xla.runtime as xr
-
-        pairs = global_pairs(ring_pairs(self.n), self.groups, xr.world_size())
-        return _permute(x.contiguous(), pairs, self.backend)
+    def send(self, x: torch.Tensor) -> Handle:
+        """Start every rank's ``x`` to rank r+1 (group-local): one permute, checked once at
+        the op's boundary (:class:`~xla_permute.backend.Ring`); ``wait()`` where it is used."""
+        return self.ring.send(x, 1)
 
     def chunks(self, rank: int) -> tuple[int, ...]:
         return layout_chunks(self.n, rank, self.layout)
@@ -132,10 +115,7 @@ def _keep(plan: _Plan, tensors: list[torch.Tensor]) -> None:
     A received K/V that no block uses would otherwise leave this rank's program, with the
     permute that brought it, and the ranks that do issue that permute would wait forever.
     """
-    if plan.n > 1:
-        import torch_xla.core.xla_model as xm
-
-        xm.optimization_barrier_(tensors)
+    plan.ring.keep(tensors)
 
 
 def _ring_forward(
@@ -148,7 +128,7 @@ def _ring_forward(
     lses: list[Any] = [None] * len(own)
     kv = torch.stack([k, v])  # K and V travel together: one permute per hop
     for hop in plan.schedule:
-        received = plan.send(kv) if hop.hop < plan.n - 1 else None  # issued before the blocks
+        received = plan.send(kv) if hop.hop < plan.n - 1 else None  # started before the blocks
         theirs = plan.chunks(hop.source)
         for block in hop.blocks:
             qs, ks = _span(block.q_chunks, own, size), _span(block.k_chunks, theirs, size)
@@ -171,7 +151,7 @@ def _ring_forward(
                 )
                 lses[i] = new
         if received is not None:
-            kv = received
+            kv = received.wait()
     out, lse = torch.cat(outs, 3), torch.cat(lses, 3)
     _keep(plan, [out, lse, kv])
     return out, lse
@@ -212,10 +192,8 @@ def _ring_backward(
             _add(dq, own.index(block.q_chunks[0]), _rows(ds, kk[:, :, ks]), size, 3)
         kvd = torch.stack([kk, vv, torch.cat(dk, 2), torch.cat(dv, 2)])
         if hop.hop < plan.n - 1:
-            kvd = plan.send_checked(kvd)  # carries this hop's dK/dV: waits for its blocks
-    dkv = (
-        plan.send_checked(kvd[2:]) if plan.n > 1 else kvd[2:]
-    )  # the N-th permute: home to the owner
+            kvd = plan.send(kvd).wait()  # carries this hop's dK/dV: waits for its blocks
+    dkv = plan.send(kvd[2:]).wait() if plan.n > 1 else kvd[2:]  # the N-th: home to the owner
     grad_q = torch.cat([torch.zeros_like(q[:, :, :, :size]) if d is None else d for d in dq], 3)
     return grad_q, dkv[0], dkv[1]
 
@@ -248,11 +226,20 @@ class _RingAttention(torch.autograd.Function):
 
 
 def _check(
-    q: object, k: object, v: object, causal: object, layout: object, scale: object, op: str
-) -> float:
-    """Validate the arguments of ``op`` (before any collective); return the scale."""
+    q: object,
+    k: object,
+    v: object,
+    causal: object,
+    layout: object,
+    scale: object,
+    op: str,
+    backend: str = "auto",
+) -> tuple[float, CommBackend]:
+    """Validate the arguments of ``op`` (before any collective); return the scale and the
+    backend (resolved for q)."""
+    chosen = check_tensor(q, "q", backend)
     for name, t in (("q", q), ("k", k), ("v", v)):
-        check_xla_tensor(t, name)
+        chosen.check_tensor(t, name)
         if t.dim() != 4:  # type: ignore[union-attr]
             raise ValueError(f"{op}: {name} must be 4-D [B, H, S/N, D], got {tuple(t.shape)}")  # type: ignore[union-attr]
     assert isinstance(q, torch.Tensor) and isinstance(k, torch.Tensor)
@@ -287,10 +274,10 @@ def _check(
             f"length is {s} (odd); shard with xla_permute.shard_sequence(..., layout='zigzag')"
         )
     if scale is None:
-        return 1.0 / math.sqrt(d) if d else 1.0
+        return (1.0 / math.sqrt(d) if d else 1.0), chosen
     if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not 0 < scale < math.inf:
         raise ValueError(f"{op}: scale must be a positive finite number or None, got {scale!r}")
-    return float(scale)
+    return float(scale), chosen
 
 
 def ring_attention(
@@ -329,19 +316,38 @@ def ring_attention(
     Raises:
         TypeError, ValueError: bad tensors, dtypes, shapes, ``causal``, ``layout``,
             ``scale``, ``groups`` or ``backend``, before any collective. Ranks must pass
-            equal shapes: checked in debug mode (:mod:`xla_permute.debug`), by the first
-            hop's permute.
+            equal shapes and options: checked in debug mode (:mod:`xla_permute.debug`), once,
+            before the ring.
     """
-    scale_ = _check(q, k, v, causal, layout, scale, "ring_attention")
-    chosen = resolve_backend(backend)
-    n, rank, ring_groups = ring_of(groups)
+    scale_, chosen = _check(q, k, v, causal, layout, scale, "ring_attention", backend)
+    ring_ = ring(groups, backend=chosen)
+    n, rank = ring_.size, ring_.position
+    _agree("ring_attention", q, k, ring_, causal=causal, layout=layout, scale=scale_)
     if q.numel() == 0 or k.numel() == 0:  # every rank agrees: no collective
         return q * 0 + (k.sum() + v.sum()) * 0
     acc = torch.float32 if q.dtype in _HALF else q.dtype
+    ring_.check(acc)
     schedule = ring_attention_schedule(n, rank, causal=causal, layout=layout)
-    plan = _Plan(n, rank, ring_groups, chosen, layout, scale_, acc,
-                 schedule)  # fmt: skip
+    plan = _Plan(n, rank, ring_, layout, scale_, acc, schedule)
     return _RingAttention.apply(q, k, v, plan)
+
+
+def _agree(op: str, q: torch.Tensor, k: torch.Tensor, ring_: Ring, **opts: Any) -> None:
+    """Debug mode (:mod:`xla_permute.debug`): every rank passes the same shapes, dtype,
+    groups and options, each on its own device; else raise on every rank at the boundary."""
+    from xla_permute import debug
+
+    fields = {
+        "q.shape": tuple(q.shape),
+        "k.shape": tuple(k.shape),
+        "q.dtype": str(q.dtype),
+        "groups": ring_.groups,
+        "backend": ring_.backend.name,
+        **{name: (str(v) if isinstance(v, float) else v) for name, v in opts.items()},
+    }
+    errors = [ring_.backend.device_error(q, "q"), ring_.backend.device_error(k, "k")]
+    error = next((e for e in errors if e is not None), None)
+    debug.check_agreement(op, fields, error=error, backend=ring_.backend)
 
 
 def _positions(n: int, rank: int, layout: str, length: int) -> torch.Tensor:
@@ -368,15 +374,15 @@ def all_gather_attention(
     """
     from xla_permute.collectives import all_gather
 
-    scale_ = _check(q, k, v, causal, layout, scale, "all_gather_attention")
+    scale_, chosen = _check(q, k, v, causal, layout, scale, "all_gather_attention")
     if q.numel() == 0 or k.numel() == 0:
         return q * 0 + (k.sum() + v.sum()) * 0
-    import torch_xla.runtime as xr
-
-    n, rank = xr.world_size(), xr.global_ordinal()
+    n, rank = chosen.world_size(), chosen.rank()
     (b, hq, s, d), hkv = q.shape, k.shape[1]
     acc = torch.float32 if q.dtype in _HALF else q.dtype
-    kv = all_gather(torch.stack([k, v]), dim=3).to(acc)  # [2, B, Hkv, N*S/N, D]
+    kv = all_gather(torch.stack([k, v]), dim=3, backend=chosen.name).to(
+        acc
+    )  # [2, B, Hkv, N*S/N, D]
     qg = q.reshape(b, hkv, hq // hkv, s, d).to(acc)
     scores = _scores(qg, kv[0], scale_, False)
     if causal:

@@ -54,7 +54,7 @@ _ON = {"1", "true", "on", "yes", "detail"}
 _OFF = {"", "0", "false", "off", "no"}
 #: Fields per signature, and the channel id of the check's all-gather (a program of its own).
 FIELDS = 12
-_CHANNEL = 1
+CHANNEL = 1
 _MAGIC = 0x5850  # "XP"
 _INT32_MAX = 2**31 - 1
 _NONE, _INT, _BOOL, _INTS, _PAIRS, _GROUPS, _TEXT = range(7)
@@ -200,7 +200,13 @@ def describe_disagreement(op: str, rows: Sequence[Sequence[int]]) -> str | None:
     return f"{op}: the ranks disagree on " + "; ".join(differences)
 
 
-def check_agreement(op: str, fields: Mapping[str, Any], *, error: Exception | None = None) -> None:
+def check_agreement(
+    op: str,
+    fields: Mapping[str, Any],
+    *,
+    error: Exception | None = None,
+    backend: Any = None,
+) -> None:
     """In debug mode, raise :class:`DisagreementError` on every rank unless all ranks agree.
 
     ``fields``: what every rank must pass alike (shapes as tuples, dtypes as ``str(dtype)``,
@@ -212,6 +218,10 @@ def check_agreement(op: str, fields: Mapping[str, Any], *, error: Exception | No
     ``error``: a check that failed on this rank alone (a tensor on another rank's device):
     this rank joins the check, then raises ``error``; the other ranks raise
     :class:`DisagreementError` instead of waiting for it in the collective.
+
+    ``backend``: the :class:`~xla_permute.backend.CommBackend` (or its name) whose all-gather
+    carries the check: on XLA a program of its own (channel id ``CHANNEL``, a fresh token),
+    on ``c10d`` an all-gather on the default process group. Default: ``"auto"``.
     """
     if not enabled():
         if error is not None:
@@ -223,38 +233,19 @@ def check_agreement(op: str, fields: Mapping[str, Any], *, error: Exception | No
         if error is not None:
             raise error
         return
-    import torch
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-    import torch_xla.runtime as xr
+    from xla_permute.backend import get_backend
 
-    world_size = xr.world_size()
-    device = torch_xla.device()
+    chosen = (
+        get_backend(backend or "auto") if backend is None or isinstance(backend, str) else backend
+    )
+    world_size = chosen.world_size()
     failed = None if error is None else f"{type(error).__name__} (see that rank's error)"
     row = signature(op, {**fields, "error": failed}, world_size=world_size)
-    # A program of its own on a fresh token: the check neither joins the caller's pending
-    # collectives (executing them here could run what must only be traced) nor joins them.
-    context = xm._get_device_context().device
-    token = torch_xla._XLAC._get_all_reduce_token(context)
-    torch_xla._XLAC._set_all_reduce_token(context, None)
-    try:
-        # int32: Neuron's collectives take no 64-bit types (hardware caveat neuron-no-64bit)
-        mine = torch.tensor([row], dtype=torch.int32).to(device)
-        gathered = xm.all_gather(
-            mine,
-            dim=0,
-            groups=[list(range(world_size))],
-            pin_layout=False,
-            channel_id=_CHANNEL,
-            use_global_device_ids=True,
-        ).cpu()
-    finally:
-        torch_xla._XLAC._set_all_reduce_token(context, token)
-    message = describe_disagreement(op, gathered.tolist())
+    message = describe_disagreement(op, chosen.gather_rows(row))
     if error is not None:
         raise error
     if message is not None:
-        rank = xr.global_ordinal()
+        rank = chosen.rank()
         raise DisagreementError(
             f"{message} (xla_permute debug mode, on rank {rank} of {world_size}: every rank "
             f"must pass the same to each collective, in the same order)"

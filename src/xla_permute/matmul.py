@@ -33,20 +33,13 @@ collective.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from xla_permute import collectives
-from xla_permute.pairs import ring_pairs
-from xla_permute.permute import (
-    Backend,
-    check_xla_tensor,
-    collective_permute,
-    resolve_backend,
-    ring_of,
-)
+from xla_permute.backend import CommBackend, Handle, Ring, check_tensor, ring
+from xla_permute.permute import Backend
 from xla_permute.schedule import all_gather_schedule, reduce_scatter_schedule
 
 __all__ = [
@@ -81,21 +74,6 @@ def partial_sum_dtype(dtype: torch.dtype, reduce_dtype: torch.dtype | None = Non
     return reduce_dtype
 
 
-@dataclass(frozen=True)
-class _Ring:
-    """This rank's ring: ``size`` ranks, this rank at ``position``, the checked ``groups``."""
-
-    size: int
-    position: int
-    groups: tuple[tuple[int, ...], ...] | None
-    backend: str = "emulated"
-    bidirectional: bool = False
-
-    def permute(self, t: torch.Tensor, direction: int) -> torch.Tensor:
-        pairs = ring_pairs(self.size, direction)
-        return collective_permute(t, pairs, groups=self.groups, backend=self.backend)
-
-
 def _block(t: torch.Tensor, index: int, n: int, dim: int) -> torch.Tensor:
     """Block ``index`` of ``n`` equal blocks of ``t`` along ``dim`` (``narrow``: one slice)."""
     size = t.shape[dim] // n
@@ -112,16 +90,27 @@ def _as_weights(w: object, op: str) -> tuple[list[torch.Tensor], bool]:
     if isinstance(w, torch.Tensor):
         return [w], True
     if isinstance(w, (list, tuple)) and w:
-        return [check_xla_tensor(t, f"w[{i}]") for i, t in enumerate(w)], False
+        for i, t in enumerate(w):
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(f"w[{i}] must be a torch.Tensor, got {type(t).__name__}")
+        return list(w), False
     raise TypeError(f"{op}: w must be a tensor [K, F] or a non-empty list of them, got {w!r}")
 
 
-def _check(x: object, ws: list[torch.Tensor], dim: int, op: str, sharded: bool, n: int) -> int:
-    """Validate the inputs of ``op`` and return ``dim`` normalised to be non-negative."""
-    x = check_xla_tensor(x, "x")
+def _check(
+    x: torch.Tensor,
+    ws: list[torch.Tensor],
+    dim: int,
+    op: str,
+    sharded: bool,
+    n: int,
+    backend: CommBackend,
+) -> int:
+    """Validate the inputs of ``op`` and return ``dim`` normalised to be non-negative (``x``
+    was checked against ``backend`` already)."""
     for i, w in enumerate(ws):
         name = "w" if len(ws) == 1 else f"w[{i}]"
-        w = check_xla_tensor(w, name)
+        w = backend.check_tensor(w, name)
         if w.dim() != 2:
             raise ValueError(f"{op}: {name} must be 2-D [K, F], got shape {tuple(w.shape)}")
         if x.dim() < 2:
@@ -152,22 +141,23 @@ def _check(x: object, ws: list[torch.Tensor], dim: int, op: str, sharded: bool, 
     return dim
 
 
-def _stream(block: torch.Tensor, ring: _Ring, visit: Callable[[int, torch.Tensor], None]) -> None:
+def _stream(block: torch.Tensor, ring: Ring, visit: Callable[[int, torch.Tensor], None]) -> None:
     """Pass every rank's ``block`` around the ring; call ``visit(source_position, block)`` on each.
 
     The permutes of a step are issued before that step's visits and carry the blocks the visits
-    use; no visit depends on a permute of its own step.
+    use; no visit depends on a permute of its own step. They are waited for after the visits
+    (on c10d the transfer runs during them).
     """
     held = {1: block, -1: block}
     for step in all_gather_schedule(ring.size, ring.position, ring.bidirectional):
-        in_flight = {d: ring.permute(held[d], d) for d in step.sends}
+        in_flight = {d: ring.send(held[d], d) for d in step.sends}
         for direction, source in zip((1, -1), step.blocks, strict=False):
             visit(source, held[direction])
-        held.update(in_flight)
+        held.update({d: handle.wait() for d, handle in in_flight.items()})
 
 
 def _ring_all_gather_matmul(
-    x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, ring: _Ring
+    x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, ring: Ring
 ) -> list[torch.Tensor]:
     n, m = ring.size, x.shape[dim]
     outs = [x.new_zeros(*x.shape[:dim], n * m, *x.shape[dim + 1 : -1], w.shape[1]) for w in ws]
@@ -190,13 +180,13 @@ def _ring_all_gather_matmul(
 
 
 def _ring_matmul_reduce_scatter(
-    x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, ring: _Ring, acc: torch.dtype
+    x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, ring: Ring, acc: torch.dtype
 ) -> torch.Tensor:
     """``ReduceScatter(sum_i x_i @ ws[i])``: with one x, ``x_i = x``; with a list, one each."""
     xs = x if isinstance(x, (list, tuple)) else [x] * len(ws)
     n = ring.size
     w_acc = [w.to(acc) for w in ws]
-    received: dict[int, torch.Tensor] = {}
+    received: dict[int, Handle] = {}  # the latest sums in flight to this rank, per direction
     summed: dict[int, torch.Tensor] = {}
     for step in reduce_scatter_schedule(n, ring.position, ring.bidirectional):
         for direction, block in zip((1, -1), step.blocks, strict=False):
@@ -204,10 +194,11 @@ def _ring_matmul_reduce_scatter(
             partial = terms[0]
             for term in terms[1:]:
                 partial = partial + term
-            summed[direction] = received[direction] + partial if direction in received else partial
+            got = received.get(direction)
+            summed[direction] = got.wait() + partial if got is not None else partial
         for d in step.sends:  # carries this step's sums; overlaps the next step's matmuls
-            received[d] = ring.permute(summed[d], d)
-    out = summed[1] + received[-1] if -1 in received else summed[1]
+            received[d] = ring.send(summed[d], d)
+    out = summed[1] + received[-1].wait() if -1 in received else summed[1]
     return out.to(xs[0].dtype)
 
 
@@ -216,7 +207,7 @@ def _stream_weight_grad(
     locals_: Sequence[torch.Tensor],
     dim: int,
     streamed_is_lhs: bool,
-    ring: _Ring,
+    ring: Ring,
     out_dtype: torch.dtype,
 ) -> list[torch.Tensor]:
     """``sum_b lhs_b.T @ rhs_b`` for each of ``locals_``: one operand streamed round the ring,
@@ -269,13 +260,12 @@ class _RingMatmul(torch.autograd.Function):
 
 
 def _agree(
-    op: str, x: torch.Tensor, ws: list[torch.Tensor], dim: int, ring: tuple, **opts: Any
+    op: str, x: torch.Tensor, ws: list[torch.Tensor], dim: int, ring: Ring, **opts: Any
 ) -> None:
     """Debug mode (:mod:`xla_permute.debug`): every rank of the world passes the same shapes,
     dtypes, dim, groups and options, each on its own device; else raise on every rank before
     the first collective (and before the shortcut for empty inputs)."""
     from xla_permute import debug
-    from xla_permute.permute import device_error
 
     shapes = tuple(ws[0].shape) if len(ws) == 1 else tuple(tuple(w.shape) for w in ws)
     fields = {
@@ -284,16 +274,24 @@ def _agree(
         "w.shape": shapes,
         "w.dtype": str(ws[0].dtype),
         "dim": dim,
-        "groups": ring[2],
+        "groups": ring.groups,
         **{name: (str(v) if isinstance(v, torch.dtype) else v) for name, v in opts.items()},
     }
-    errors = [device_error(x), *(device_error(w, "w") for w in ws)]
+    errors = [ring.backend.device_error(x), *(ring.backend.device_error(w, "w") for w in ws)]
     error = next((e for e in errors if e is not None), None)
-    debug.check_agreement(op, fields, error=error)
+    debug.check_agreement(op, fields, error=error, backend=ring.backend)
 
 
-def _empty_or_single(x: torch.Tensor, ws: list[torch.Tensor], ring: tuple) -> bool:
-    return ring[0] == 1 or x.numel() == 0 or any(w.numel() == 0 for w in ws)
+def _empty_or_single(x: torch.Tensor, ws: list[torch.Tensor], ring: Ring) -> bool:
+    return ring.size == 1 or x.numel() == 0 or any(w.numel() == 0 for w in ws)
+
+
+def _ring(
+    x: object, groups: Groups, backend: str, bidirectional: bool = False
+) -> tuple[torch.Tensor, Ring]:
+    """The op's boundary: ``x`` checked against the backend it resolves to, this rank's ring."""
+    chosen = check_tensor(x, "x", backend)
+    return x, ring(groups, backend=chosen, bidirectional=bidirectional)  # type: ignore[return-value]
 
 
 def all_gather_matmul(
@@ -325,15 +323,18 @@ def all_gather_matmul(
         repeated N times along ``dim`` (all zeros or empty), without a collective.
     """
     ws, single = _as_weights(w, "all_gather_matmul")
-    ring = ring_of(groups)
-    dim = _check(x, ws, dim, "all_gather_matmul", False, ring[0])
-    chosen = resolve_backend(backend)
-    _agree("all_gather_matmul", x, ws, dim, ring, bidirectional=bool(bidirectional), backend=chosen)
-    if _empty_or_single(x, ws, ring):
-        ys = tuple(torch.cat([x @ wi] * ring[0], dim) if ring[0] > 1 else x @ wi for wi in ws)
+    x, ring_ = _ring(x, groups, backend, bidirectional)
+    dim = _check(x, ws, dim, "all_gather_matmul", False, ring_.size, ring_.backend)
+    _agree(
+        "all_gather_matmul", x, ws, dim, ring_,
+        bidirectional=bool(bidirectional), backend=ring_.backend.name,
+    )  # fmt: skip
+    n = ring_.size
+    if _empty_or_single(x, ws, ring_):
+        ys = tuple(torch.cat([x @ wi] * n, dim) if n > 1 else x @ wi for wi in ws)
     else:
-        meta = (dim, _Ring(*ring, chosen, bool(bidirectional)), True, None)
-        ys = _RingMatmul.apply(meta, x, *ws)
+        ring_.check(x.dtype)
+        ys = _RingMatmul.apply((dim, ring_, True, None), x, *ws)
     return ys[0] if single else ys
 
 
@@ -368,30 +369,33 @@ def matmul_reduce_scatter(
     """
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"matmul_reduce_scatter: w must be a tensor [K, F], got {type(w)}")
-    ring = ring_of(groups)
-    dim = _check(x, [w], dim, "matmul_reduce_scatter", True, ring[0])
+    x, ring_ = _ring(x, groups, backend, bidirectional)
+    dim = _check(x, [w], dim, "matmul_reduce_scatter", True, ring_.size, ring_.backend)
     acc = partial_sum_dtype(x.dtype, reduce_dtype)
-    chosen = resolve_backend(backend)
     _agree(
-        "matmul_reduce_scatter", x, [w], dim, ring,
-        bidirectional=bool(bidirectional), reduce_dtype=acc, backend=chosen,
+        "matmul_reduce_scatter", x, [w], dim, ring_,
+        bidirectional=bool(bidirectional), reduce_dtype=acc, backend=ring_.backend.name,
     )  # fmt: skip
-    if _empty_or_single(x, [w], ring):
-        return _block(x @ w, ring[1], ring[0], dim)
-    return _RingMatmul.apply((dim, _Ring(*ring, chosen, bool(bidirectional)), False, acc), x, w)
+    if _empty_or_single(x, [w], ring_):
+        return _block(x @ w, ring_.position, ring_.size, dim)
+    ring_.check(acc)
+    return _RingMatmul.apply((dim, ring_, False, acc), x, w)
 
 
-def all_gather_then_matmul(x: torch.Tensor, w: Weights, *, dim: int, groups: Groups = None) -> Any:
-    """Baseline: upstream all-gather (channel id), then one matmul per weight. Same result and
-    shapes as :func:`all_gather_matmul`; holds the gathered x."""
+def all_gather_then_matmul(
+    x: torch.Tensor, w: Weights, *, dim: int, groups: Groups = None, backend: Backend = "auto"
+) -> Any:
+    """Baseline: upstream all-gather (channel id; ``all_gather_into_tensor`` on c10d), then
+    one matmul per weight. Same result and shapes as :func:`all_gather_matmul`; holds the
+    gathered x."""
     ws, single = _as_weights(w, "all_gather_then_matmul")
-    ring = ring_of(groups)
-    dim = _check(x, ws, dim, "all_gather_then_matmul", False, ring[0])
-    _agree("all_gather_then_matmul", x, ws, dim, ring)
-    if _empty_or_single(x, ws, ring):
-        ys = tuple(torch.cat([x @ wi] * ring[0], dim) for wi in ws)
+    x, ring_ = _ring(x, groups, backend)
+    dim = _check(x, ws, dim, "all_gather_then_matmul", False, ring_.size, ring_.backend)
+    _agree("all_gather_then_matmul", x, ws, dim, ring_)
+    if _empty_or_single(x, ws, ring_):
+        ys = tuple(torch.cat([x @ wi] * ring_.size, dim) for wi in ws)
     else:
-        full = collectives.all_gather(x, dim, groups=groups)
+        full = collectives.all_gather(x, dim, groups=groups, backend=ring_.backend.name)
         ys = tuple(full @ wi for wi in ws)
     return ys[0] if single else ys
 
@@ -403,13 +407,18 @@ def matmul_then_reduce_scatter(
     dim: int,
     reduce_dtype: torch.dtype | None = None,
     groups: Groups = None,
+    backend: Backend = "auto",
 ) -> torch.Tensor:
-    """Baseline: one matmul, then upstream reduce-scatter (channel id) in ``reduce_dtype``
-    (:func:`partial_sum_dtype`). Same result and shapes as :func:`matmul_reduce_scatter`."""
-    ring = ring_of(groups)
-    dim = _check(x, [w], dim, "matmul_then_reduce_scatter", True, ring[0])
+    """Baseline: one matmul, then upstream reduce-scatter (channel id; ``reduce_scatter_tensor``
+    on c10d) in ``reduce_dtype`` (:func:`partial_sum_dtype`). Same result and shapes as
+    :func:`matmul_reduce_scatter`."""
+    x, ring_ = _ring(x, groups, backend)
+    dim = _check(x, [w], dim, "matmul_then_reduce_scatter", True, ring_.size, ring_.backend)
     acc = partial_sum_dtype(x.dtype, reduce_dtype)
-    _agree("matmul_then_reduce_scatter", x, [w], dim, ring, reduce_dtype=acc)
-    if _empty_or_single(x, [w], ring):
-        return _block(x @ w, ring[1], ring[0], dim)
-    return collectives.reduce_scatter(x.to(acc) @ w.to(acc), dim, groups=groups).to(x.dtype)
+    _agree("matmul_then_reduce_scatter", x, [w], dim, ring_, reduce_dtype=acc)
+    if _empty_or_single(x, [w], ring_):
+        return _block(x @ w, ring_.position, ring_.size, dim)
+    partial = x.to(acc) @ w.to(acc)
+    return collectives.reduce_scatter(partial, dim, groups=groups, backend=ring_.backend.name).to(
+        x.dtype
+    )

@@ -43,8 +43,9 @@ from collections.abc import Sequence
 
 import torch
 
+from xla_permute.backend import check_tensor
 from xla_permute.pairs import Pairs, check_groups, ring_pairs
-from xla_permute.permute import Backend, check_xla_tensor, collective_permute, resolve_backend
+from xla_permute.permute import Backend, collective_permute
 
 __all__ = [
     "check_offset",
@@ -153,8 +154,9 @@ def stage_shift(
     """Send this rank's ``x`` to the rank ``offset`` ahead, all ranks at once, in one permute.
 
     Args:
-        x: this rank's tensor (e.g. a stage's activation), on an XLA device, any shape and
-            dtype; every rank passes the same shape. The output has the same shape and dtype.
+        x: this rank's tensor (e.g. a stage's activation), any shape and dtype; every rank
+            passes the same shape. On an XLA device, or a CPU/CUDA tensor for ``c10d``. The
+            output has the same shape and dtype.
         offset: how many ranks ahead the value goes (``-1``: one rank back); nonzero and
             ``|offset| <`` the group size.
         wrap: ``False``: open chain, ranks without a source receive zeros; ``True``: ring, they
@@ -162,7 +164,7 @@ def stage_shift(
             where the hardware requires complete rings (Neuron), else the open chain.
         groups: replica groups, e.g. ``[[0, 1], [2, 3]]`` for two pipelines of two stages; the
             shift runs inside every group, by group-local position. ``None``: all ranks.
-        backend: ``"auto"``, ``"native"`` or ``"emulated"`` (see
+        backend: ``"auto"``, ``"native"``, ``"emulated"`` or ``"c10d"`` (see
             :func:`~xla_permute.permute.collective_permute`).
 
     Returns:
@@ -172,7 +174,7 @@ def stage_shift(
 
     Raises:
         TypeError: ``x`` is no tensor, ``offset`` no int or ``wrap`` no bool (or None).
-        ValueError: ``x`` is not on an XLA device, ``offset`` is 0 or not smaller than the
+        ValueError: ``x`` is not on a device of the backend, ``offset`` is 0 or not smaller than the
             group, or ``groups`` or ``backend`` is bad. Both are raised before any collective
             is issued, with the fix in the message.
 
@@ -181,13 +183,10 @@ def stage_shift(
     (:mod:`xla_permute.debug`) checks the arguments. An empty ``x`` gives the empty result
     without a collective.
     """
-    check_xla_tensor(x)
+    chosen = check_tensor(x, "x", backend)
     _check_wrap(wrap)
-    chosen = resolve_backend(backend)
-    import torch_xla.runtime as xr
-
-    checked_groups = check_groups(groups, xr.world_size())
-    ring = resolve_wrap(wrap, xr.device_type())
+    checked_groups = check_groups(groups, chosen.world_size())
+    ring = resolve_wrap(wrap, chosen.device_type)
     offset = check_offset(offset, len(checked_groups[0]))
     pairs = shift_pairs(len(checked_groups[0]), offset, wrap=ring)
-    return collective_permute(x, pairs, groups=checked_groups, backend=chosen)
+    return collective_permute(x, pairs, groups=checked_groups, backend=chosen.name)

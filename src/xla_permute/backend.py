@@ -1,0 +1,254 @@
+"""The communication backends behind every op, and the ring the ops share.
+
+Every op of this package (permute, all-gather, reduce-scatter, collective matmul, ring
+attention, stage shift, pipeline) talks to the devices through one small interface,
+:class:`CommBackend`, with three implementations:
+
+=============  ========================================  ==================================
+name           what it issues                            where
+=============  ========================================  ==================================
+``native``     ``xm.collective_permute`` (one HLO        TPU, Neuron (torch_xla)
+               collective-permute)
+``emulated``   a channel-id all-gather and a per-rank    the XLA CPU mesh (torch_xla)
+               select (moves N times a permute's bytes)
+``c10d``       ``torch.distributed``: point-to-point     real processes: gloo on CPU
+               ``batch_isend_irecv``, asynchronous       tensors (tested here), NCCL on
+                                                         CUDA tensors (same code, untested)
+=============  ========================================  ==================================
+
+``backend="auto"`` picks ``c10d`` when ``torch.distributed`` is initialized and the tensor is
+not an XLA tensor; otherwise ``emulated`` on the XLA CPU backend and ``native`` elsewhere
+(:func:`get_backend`). The XLA implementations live in :mod:`xla_permute.xla_backend` (the
+one home of the torch_xla glue), the torch.distributed one in :mod:`xla_permute.c10d`; this
+module imports neither torch_xla nor a process group.
+
+The interface, per rank (``pairs`` are global, checked ``(source, target)`` rank pairs):
+
+* ``send(x, pairs) -> Handle``: start the permute; ``handle.wait()`` gives this rank's
+  received tensor (zeros when it is no pair's target). On c10d the transfer runs while the
+  caller computes; on XLA the handle holds the lazy result (the compiler schedules it).
+* ``all_gather(x, dim, groups)`` / ``reduce_scatter(x, dim, groups)`` (sum), groups in their
+  listed order;
+* ``position(groups) -> (size, position, checked groups)``: this rank's place;
+* ``gather_rows(row)``: the debug mode's agreement all-gather of one int row per rank.
+
+These are raw (no autograd, no checks). The ops check their arguments once at their boundary
+and then drive a :class:`Ring` (this rank's place, its neighbours' pairs precomputed, a send
+that is not re-checked per hop); the autograd of each op is its own (the permute's backward
+is the inverse permute, on every backend).
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol
+
+import torch
+
+from xla_permute.pairs import Groups, Pairs, check_groups, global_pairs, ring_pairs
+
+__all__ = [
+    "BACKENDS",
+    "BackendName",
+    "CommBackend",
+    "Handle",
+    "Ready",
+    "Ring",
+    "check_tensor",
+    "distributed_ready",
+    "get_backend",
+    "ring",
+]
+
+BackendName = Literal["auto", "native", "emulated", "c10d"]
+BACKENDS: tuple[str, ...] = ("auto", "native", "emulated", "c10d")
+
+
+class Handle(Protocol):
+    """A permute in flight: ``wait()`` blocks until this rank's tensor has arrived."""
+
+    def wait(self) -> torch.Tensor: ...
+
+
+class Ready:
+    """A handle whose tensor is already there (XLA's lazy tensors; a permute of nothing)."""
+
+    __slots__ = ("_tensor",)
+
+    def __init__(self, tensor: torch.Tensor) -> None:
+        self._tensor = tensor
+
+    def wait(self) -> torch.Tensor:
+        return self._tensor
+
+
+class CommBackend:
+    """The interface (see the module docstring). Subclasses implement every method."""
+
+    name: str = "?"
+    #: The device type the hardware rules apply to (:mod:`xla_permute.hardware.rules`).
+    device_type: str = "CPU"
+
+    def world_size(self) -> int:
+        raise NotImplementedError
+
+    def rank(self) -> int:
+        raise NotImplementedError
+
+    def position(
+        self, groups: Sequence[Sequence[int]] | None = None
+    ) -> tuple[int, int, Groups | None]:
+        """``(group size, this rank's position in its group, checked groups)``; groups=None:
+        all ranks, and None as the checked groups."""
+        world, rank = self.world_size(), self.rank()
+        if groups is None:
+            return world, rank, None
+        checked = check_groups(groups, world)
+        group = next(g for g in checked if rank in g)
+        return len(group), group.index(rank), checked
+
+    def check_tensor(self, x: object, name: str = "x") -> torch.Tensor:
+        """Raise TypeError/ValueError unless ``x`` is a tensor this backend can send."""
+        raise NotImplementedError
+
+    def device_error(self, x: torch.Tensor, name: str = "x") -> ValueError | None:
+        """The error if ``x`` is on another rank's device (this rank alone knows), else None."""
+        return None
+
+    def check_pairs(self, pairs: Pairs, dtype: torch.dtype) -> None:
+        """Apply the hardware's rules to the global ``pairs`` (may raise or warn)."""
+
+    def send(self, x: torch.Tensor, pairs: Pairs, tag: int = 0) -> Handle:
+        """Start the permute of this rank's ``x`` with the global, checked ``pairs``."""
+        raise NotImplementedError
+
+    def all_gather(self, x: torch.Tensor, dim: int, groups: Groups) -> torch.Tensor:
+        """Concatenate the group's ``x`` along ``dim``, in the group's listed order."""
+        raise NotImplementedError
+
+    def reduce_scatter(self, x: torch.Tensor, dim: int, groups: Groups) -> torch.Tensor:
+        """Sum ``x`` over the group; keep this rank's block (its listed position) of ``dim``."""
+        raise NotImplementedError
+
+    def gather_rows(self, row: Sequence[int]) -> list[list[int]]:
+        """The debug mode's agreement all-gather: every rank's int32 ``row``, by rank."""
+        raise NotImplementedError
+
+    def keep(self, tensors: list[torch.Tensor]) -> None:
+        """Keep ``tensors`` in this rank's program (an optimisation barrier on XLA, where a
+        received tensor nobody uses would drop its permute; nothing to do eagerly)."""
+
+    def __repr__(self) -> str:
+        return f"<xla_permute backend {self.name!r}>"
+
+
+def distributed_ready() -> bool:
+    """True when ``torch.distributed`` has a process group on a backend other than torch_xla's
+    ``xla`` one (whose tensors are XLA tensors, for the XLA backends)."""
+    dist = sys.modules.get("torch.distributed")
+    if dist is None or not dist.is_available() or not dist.is_initialized():
+        return False
+    return dist.get_backend() != "xla"
+
+
+def get_backend(name: str = "auto", x: torch.Tensor | None = None) -> CommBackend:
+    """The backend called ``name`` (``"auto"``: chosen for the tensor ``x``, see the module).
+
+    ``x=None`` (this rank's place only, e.g. when building a layer): ``auto`` is ``c10d``
+    when a process group is initialized, else XLA.
+    """
+    if name not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
+    if name == "auto":
+        is_xla = isinstance(x, torch.Tensor) and x.device.type == "xla"
+        name = "c10d" if not is_xla and distributed_ready() else "xla-auto"
+    if name == "c10d":
+        from xla_permute.c10d import c10d_backend
+
+        return c10d_backend()
+    from xla_permute.xla_backend import xla_backend
+
+    return xla_backend(None if name == "xla-auto" else name)
+
+
+def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBackend:
+    """Check that ``x`` is a tensor ``backend`` can send; return the backend (resolved).
+
+    The checks run before anything is asked of a runtime: a CPU tensor without a process
+    group is refused without starting torch_xla.
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    xla = x.device.type == "xla" or not distributed_ready()
+    if backend in ("native", "emulated") or (backend == "auto" and xla):
+        from xla_permute.xla_backend import check_xla_tensor
+
+        check_xla_tensor(x, name)
+    chosen = get_backend(backend, x)
+    chosen.check_tensor(x, name)
+    return chosen
+
+
+@dataclass(frozen=True)
+class Ring:
+    """This rank's ring, built once at an op's boundary: the hops send without re-checking.
+
+    ``size`` ranks, this rank at ``position``, ``groups`` checked (None: all ranks).
+    ``send(t, direction)`` passes every rank's ``t`` to the rank ``direction`` (+1 or -1)
+    ahead in its group and returns a :class:`Handle`; call ``wait()`` where the block is
+    needed (the next hop), so that the work in between overlaps the transfer.
+    """
+
+    backend: CommBackend
+    size: int
+    position: int
+    groups: Groups | None
+    bidirectional: bool = False
+    _pairs: dict[int, Pairs] = field(default_factory=dict, compare=False, repr=False)
+
+    def pairs(self, direction: int = 1) -> Pairs:
+        """The global pairs of one hop ``direction`` ranks ahead (computed once)."""
+        if direction not in self._pairs:
+            world = self.backend.world_size()
+            self._pairs[direction] = global_pairs(
+                ring_pairs(self.size, direction), self.groups, world
+            )
+        return self._pairs[direction]
+
+    def send(self, t: torch.Tensor, direction: int = 1) -> Handle:
+        """Start one hop of every rank's ``t``, ``direction`` ranks ahead (no checks)."""
+        return self.backend.send(t.contiguous(), self.pairs(direction), tag=direction % 8)
+
+    def source(self, direction: int = 1) -> int:
+        """The position this rank receives from in a hop ``direction`` ranks ahead."""
+        return (self.position - direction) % self.size
+
+    def check(self, dtype: torch.dtype) -> None:
+        """Apply the backend's rules to the ring's pairs once (native: the hardware's rules,
+        and a refusal to run on the CPU mesh outside tracing); before the first hop."""
+        if self.size > 1:
+            self.backend.check_pairs(self.pairs(1), dtype)
+
+    def keep(self, tensors: list[torch.Tensor]) -> None:
+        if self.size > 1:
+            self.backend.keep(tensors)
+
+
+def ring(
+    groups: Sequence[Sequence[int]] | None = None,
+    *,
+    backend: CommBackend | str = "auto",
+    bidirectional: bool = False,
+) -> Ring:
+    """This rank's :class:`Ring` over ``groups`` (None: all ranks) on ``backend``.
+
+    Call it once at an op's boundary, after the op's own checks; then :meth:`Ring.check`
+    with the dtype that travels, before the first hop.
+    """
+    chosen = get_backend(backend) if isinstance(backend, str) else backend
+    size, position, checked = chosen.position(groups)
+    return Ring(chosen, size, position, checked, bool(bidirectional))
