@@ -94,6 +94,7 @@ html_theme_options = {
 }
 html_static_path = ["_static"]
 html_css_files = ["wrap.css"]
+html_js_files = ["wrap.js"]
 copybutton_prompt_text = r">>> |\.\.\. |\$ "
 copybutton_prompt_is_regexp = True
 

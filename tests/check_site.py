@@ -1,28 +1,51 @@
 """Check the built documentation site in headless Chromium (``make docs-check``).
 
-Opens every page of the built HTML with selenium and fails when, on any page:
+Opens every page of the built HTML with selenium, at a desktop width (1400 px) and a phone
+width (420 px), and fails when, on any page:
 
 * a table from a cell shows as raw pipes (``| a | b |`` text instead of a table);
+* directive text shows raw (``.. dropdown::``, a ```` ```{literalinclude} ```` fence): markup
+  that was fed to the wrong parser;
+* math shows as raw TeX (MathJax missing offline, or never rendered);
 * an image did not load;
-* a code or output block is wider than the content column (hidden behind a scrollbar);
+* a code or output block is wider than the content column at 1400 px (hidden behind a
+  scrollbar);
+* a word is broken inside a table cell (``nativ/e``): cells break only at spaces, hyphens and
+  slashes, and a table too wide for the column scrolls in its own container;
+* the page is wider than a 420 px viewport (the reader would scroll sideways);
+* a figure's smallest text is under 9 pt (12 CSS px) at 1400 px; figures made with
+  :func:`xla_permute.figures.new_figure` record their smallest text in the PNG, and a figure
+  that does not is reported too;
 * a tutorial or reference page lacks the previous/next links or the page's table of contents;
 
-and when the search page finds nothing for ``collective_permute``. A screenshot of each page
-is written to ``--screenshots``. ``--self-test`` first checks two broken pages made here (a raw
-table, an over-wide block) and fails unless both are caught, so the check itself can fail.
+and when the search page finds nothing for ``collective_permute``. Full-page screenshots of
+each page at both widths go to ``--screenshots`` (a page taller than one PNG may be is cut into
+``name.png``, ``name-2.png``, ...), and a screenshot set that does not cover the whole page
+fails the check. ``--self-test`` first checks pages made here to fail each check, and fails
+unless every one is caught by its own check.
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
+import struct
 import sys
 import tempfile
 import time
+import zlib
 from pathlib import Path
+from urllib.parse import unquote, urlparse
 
-WIDTH, HEIGHT = 1280, 1000
+WIDE, NARROW, HEIGHT = 1400, 420, 1000
+#: The smallest text a figure may show at page width: 9 pt = 12 CSS px.
+MIN_FIGURE_TEXT_PX = 12.0
+#: The PNG text key where xla_permute.figures records the figure's smallest text, in pixels.
+FONT_KEY = "xla-permute smallest text px"
+#: The tallest PNG one capture makes; taller pages are saved as several files.
+TILE = 12000
 
-#: JavaScript run on each page: a list of problems found in the rendered DOM.
+#: JavaScript run on each page at the desktop width: problems found in the rendered DOM.
 _PROBLEMS_JS = r"""
 const out = [];
 const main = document.querySelector("article.bd-article") || document.body;
@@ -46,7 +69,73 @@ for (const el of main.querySelectorAll("div.cell_output, div.output, p")) {
     out.push("raw markdown table: " + lines.find(s => s.startsWith("|")).slice(0, 60));
   }
 }
+const directive = /^\s*(\.\. [\w:-]+::|(```+|:::+)\s*\{[\w:-]+\})/;
+for (const line of (main.innerText || "").split("\n")) {
+  if (directive.test(line)) out.push("raw directive text: " + line.trim().slice(0, 60));
+}
+for (const el of main.querySelectorAll(".math")) {
+  if (!el.querySelector("mjx-container, svg, img, math")) {
+    out.push("math left as raw TeX: " + (el.textContent || "").trim().slice(0, 60));
+  }
+}
+const tex = /(\$\$|\\\(|\\\[|\\(frac|partial|text|qquad|sum)\b)/;
+for (const el of main.querySelectorAll("p, li, td, th, dd")) {
+  if (el.closest("pre, code, .math, .highlight")) continue;
+  const text = Array.from(el.childNodes).filter(n => n.nodeType === 3)
+    .map(n => n.textContent).join(" ");
+  if (tex.test(text)) out.push("math left as raw TeX: " + text.trim().slice(0, 60));
+}
 return out;
+"""
+
+#: Words broken inside a table cell, and whether the page scrolls sideways (any width).
+_LAYOUT_JS = r"""
+const out = [];
+const main = document.querySelector("article.bd-article") || document.body;
+const token = /[^\s\-\/\u200b]{2,}/g;
+let broken = 0, first = "";
+for (const cell of main.querySelectorAll("td, th")) {
+  const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+  let node, found = false;
+  while (!found && (node = walker.nextNode())) {
+    const text = node.textContent;
+    let m;
+    token.lastIndex = 0;
+    while ((m = token.exec(text))) {
+      const range = document.createRange();
+      range.setStart(node, m.index);
+      range.setEnd(node, m.index + m[0].length);
+      const tops = new Set(Array.from(range.getClientRects())
+        .filter(r => r.width > 0).map(r => Math.round(r.top)));
+      if (tops.size > 1) { found = true; if (!first) first = m[0]; break; }
+    }
+  }
+  if (found) broken += 1;
+}
+if (broken) out.push(`${broken} table cell(s) with a word broken mid-word, e.g. "${first}"`);
+const doc = document.documentElement;
+if (doc.scrollWidth > window.innerWidth + 1) {
+  let widest = "", right = 0;
+  for (const el of main.querySelectorAll("*")) {
+    const r = el.getBoundingClientRect();
+    if (el.closest(".pst-scrollable-table-container, div.cell_output")) continue;
+    if (r.right >= right && r.right > window.innerWidth + 1) {
+      right = r.right;
+      widest = el.tagName.toLowerCase() + ": " + (el.innerText || "").split("\n")[0].slice(0, 40);
+    }
+  }
+  out.push(`page wider than the ${window.innerWidth}px viewport ` +
+           `(${doc.scrollWidth}px; e.g. ${widest})`);
+}
+return out;
+"""
+
+#: Each figure image in the article: its file, natural and shown width.
+_FIGURES_JS = r"""
+const main = document.querySelector("article.bd-article") || document.body;
+return Array.from(main.querySelectorAll("div.cell_output img, figure img")).map(img => ({
+  src: img.src, natural: img.naturalWidth, shown: img.getBoundingClientRect().width,
+}));
 """
 
 _NAV_JS = r"""
@@ -65,30 +154,136 @@ def _driver():
 
     options = webdriver.ChromeOptions()
     for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                f"--window-size={WIDTH},{HEIGHT}", "--hide-scrollbars"):  # fmt: skip
+                f"--window-size={WIDE},{HEIGHT}", "--hide-scrollbars"):  # fmt: skip
         options.add_argument(arg)
     options.binary_location = "/usr/bin/chromium"
     return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
 
 
-def _screenshot(driver, path: Path) -> None:
+def _set_width(driver, width: int) -> None:
+    """Lay the page out at ``width`` CSS px (a window can be no narrower than ~500 px)."""
+    metrics = {"width": width, "height": HEIGHT, "deviceScaleFactor": 1, "mobile": False}
+    driver.execute_cdp_cmd("Emulation.setDeviceMetricsOverride", metrics)
+
+
+def png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) of a PNG, from its header."""
+    if data[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError("not a PNG")
+    return struct.unpack(">II", data[16:24])
+
+
+def png_text(data: bytes) -> dict[str, str]:
+    """The tEXt/zTXt/iTXt entries of a PNG."""
+    out, pos = {}, 8
+    while pos + 8 <= len(data):
+        length, kind = struct.unpack(">I4s", data[pos : pos + 8])
+        body = data[pos + 8 : pos + 8 + length]
+        pos += 12 + length
+        if kind == b"tEXt":
+            key, _, value = body.partition(b"\0")
+            out[key.decode("latin-1")] = value.decode("latin-1")
+        elif kind == b"zTXt":
+            key, _, value = body.partition(b"\0")
+            out[key.decode("latin-1")] = zlib.decompress(value[1:]).decode("latin-1")
+        elif kind == b"iTXt":
+            key, _, rest = body.partition(b"\0")
+            compressed, rest = rest[0], rest[2:]
+            _, _, rest = rest.partition(b"\0")  # language
+            _, _, value = rest.partition(b"\0")  # translated key
+            value = zlib.decompress(value) if compressed else value
+            out[key.decode("latin-1")] = value.decode("utf-8")
+        elif kind == b"IEND":
+            break
+    return out
+
+
+def screenshot(driver, path: Path, tile: int = TILE) -> list[str]:
+    """Save the whole page at the current width (several PNGs if it is taller than ``tile``);
+    problems: the saved PNGs do not cover the page."""
+    width = driver.execute_script("return window.innerWidth")
     height = driver.execute_script("return document.documentElement.scrollHeight")
-    driver.set_window_size(WIDTH, min(max(height, HEIGHT), 16000))
-    driver.save_screenshot(str(path))
-    driver.set_window_size(WIDTH, HEIGHT)
+    for old in [path, *path.parent.glob(f"{path.stem}-[0-9]*.png")]:
+        old.unlink(missing_ok=True)
+    covered, part = 0, 1
+    while covered < height:
+        clip = {"x": 0, "y": covered, "width": width, "height": min(tile, height - covered)}
+        shot = driver.execute_cdp_cmd(
+            "Page.captureScreenshot",
+            {"format": "png", "captureBeyondViewport": True, "clip": {**clip, "scale": 1}},
+        )
+        data = base64.b64decode(shot["data"])
+        name = path if part == 1 else path.with_name(f"{path.stem}-{part}.png")
+        name.write_bytes(data)
+        covered += png_size(data)[1]
+        part += 1
+    return screenshot_problems(path, height)
 
 
-def check_page(driver, url: str, *, navigation: bool) -> list[str]:
-    """Problems of one page (empty: none)."""
+def screenshot_problems(path: Path, height: int) -> list[str]:
+    """Problems: the PNGs of ``path`` (``name.png``, ``name-2.png``, ...) are shorter than the
+    page's ``height``."""
+    parts = [path, *sorted(path.parent.glob(f"{path.stem}-[0-9]*.png"))]
+    shot = sum(png_size(p.read_bytes())[1] for p in parts if p.exists())
+    if shot + 1 < height:
+        return [f"screenshot cut short: {shot}px of a {height}px page ({path.name})"]
+    return []
+
+
+def figure_problems(driver) -> list[str]:
+    """Figures whose smallest text is under 9 pt as shown, or that do not record it."""
+    out = []
+    for fig in driver.execute_script(_FIGURES_JS):
+        if not fig["natural"] or not fig["src"].startswith("file:"):
+            continue
+        data = Path(unquote(urlparse(fig["src"]).path)).read_bytes()
+        name = fig["src"].rsplit("/", 1)[-1]
+        text = png_text(data).get(FONT_KEY) if data[:4] == b"\x89PNG" else None
+        if text is None:
+            out.append(f"figure without its smallest text size (use figures.new_figure): {name}")
+            continue
+        shown = float(text) * fig["shown"] / fig["natural"]
+        if shown < MIN_FIGURE_TEXT_PX - 0.05:
+            out.append(
+                f"figure text {shown * 0.75:.1f} pt at page width, under 9 pt "
+                f"({float(text):.1f}px drawn, shown at {fig['shown'] / fig['natural']:.0%}): "
+                f"{name}"
+            )
+    return out
+
+
+def _wait_for_math(driver, seconds: float = 5.0) -> None:
+    """Give MathJax (when a page has math) time to typeset it."""
+    script = "return Array.from(document.querySelectorAll('.math'))"
+    script += ".filter(e => !e.querySelector('mjx-container, svg, img, math')).length"
+    deadline = time.monotonic() + seconds
+    while driver.execute_script(script) and time.monotonic() < deadline:
+        time.sleep(0.2)
+
+
+def check_page(driver, url: str, *, navigation: bool, shots: Path | None = None) -> list[str]:
+    """Problems of one page (empty: none), at both widths; screenshots into ``shots``."""
+    _set_width(driver, WIDE)
     driver.get(url)
     time.sleep(0.2)
+    _wait_for_math(driver)
     problems = list(driver.execute_script(_PROBLEMS_JS))
+    problems += driver.execute_script(_LAYOUT_JS)
+    problems += figure_problems(driver)
     if navigation:
         nav = driver.execute_script(_NAV_JS)
         if not (nav["prev"] or nav["next"]):
             problems.append("no previous/next links")
         if nav["sections"] >= 2 and nav["toc"] == 0:
             problems.append("no table of contents of the page")
+    if shots:
+        problems += screenshot(driver, shots.with_name(f"{shots.name}.png"))
+    _set_width(driver, NARROW)
+    time.sleep(0.2)
+    problems += [f"at {NARROW}px: {p}" for p in driver.execute_script(_LAYOUT_JS)]
+    if shots:
+        problems += screenshot(driver, shots.with_name(f"{shots.name}.{NARROW}px.png"))
+    _set_width(driver, WIDE)
     return problems
 
 
@@ -113,31 +308,90 @@ def pages(root: Path) -> list[Path]:
     )  # fmt: skip
 
 
+def _small_text_figure() -> str:
+    """A figure from xla_permute.figures with 6 pt text, shown at its natural size."""
+    from xla_permute.figures import new_figure
+
+    fig = new_figure(figsize=(3, 1))
+    fig.text(0.5, 0.5, "six-point text", fontsize=6)
+    return base64.b64encode(fig._repr_png_()).decode()
+
+
+#: Pages made to fail one check each: name -> (body, what the problem message must say).
 _BAD_PAGES = {
-    "raw_table.html": "<div class='cell_output'><pre>| a | b |\n|---|---|\n| 1 | 2 |</pre></div>",
-    "wide_block.html": "<pre style='white-space:pre'>" + "x" * 400 + "</pre>",
+    "raw_table.html": (
+        "<div class='cell_output'><pre>| a | b |\n|---|---|\n| 1 | 2 |</pre></div>",
+        "raw markdown table",
+    ),
+    "wide_block.html": ("<pre style='white-space:pre'>" + "x" * 400 + "</pre>", "wider than"),
+    "raw_directive.html": (
+        "<p>Source:</p><pre>   .. literalinclude:: /../tests/test_x.py\n   :language: python</pre>",
+        "raw directive text",
+    ),
+    "raw_fence.html": ("<p>```{dropdown} Source</p>", "raw directive text"),
+    "raw_tex.html": (
+        "<p>The backward: <span class='math notranslate nohighlight'>"
+        "\\(\\frac{\\partial L}{\\partial x}\\)</span></p>",
+        "math left as raw TeX",
+    ),
+    "broken_word.html": (
+        "<table><tr><td style='width:3em;overflow-wrap:anywhere'>baseline native</td>"
+        "<td>ok</td></tr></table>",
+        "broken mid-word",
+    ),
+    "wide_page.html": (
+        "<p><code style='white-space:nowrap'>" + "xp.all_gather_matmul(x, w) " * 3 + "</code></p>",
+        f"at {NARROW}px: page wider than",
+    ),
+    "small_figure.html": (None, "under 9 pt"),
+    "tall_page.html": ("<div style='height:30000px'>tall</div>", "screenshot cut short"),
 }
 
 
 def self_test(driver) -> list[str]:
-    """Check that the checks catch a raw table and an over-wide block."""
+    """Check that every check catches the page made to fail it."""
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
-        for name, body in _BAD_PAGES.items():
+        for name, (body, expected) in _BAD_PAGES.items():
+            if body is None:  # the figure: a real PNG from xla_permute.figures
+                png = Path(tmp, "small.png")
+                png.write_bytes(base64.b64decode(_small_text_figure()))
+                body = f"<div class='cell_output'><img src='{png.name}'></div>"
             page = Path(tmp, name)
             page.write_text(
-                "<html><body><article class='bd-article' style='width:600px'>"
+                "<html><body><article class='bd-article' style='max-width:600px'>"
                 f"{body}</article></body></html>"
             )
-            if not check_page(driver, page.as_uri(), navigation=False):
-                failures.append(f"self-test: the check did not catch {name}")
+            shots = None
+            if name == "tall_page.html":  # a screenshot of the first 16000 px only
+                shots = Path(tmp, "shots")
+                shots.mkdir()
+                _set_width(driver, WIDE)
+                driver.get(page.as_uri())
+                shot = driver.execute_cdp_cmd(
+                    "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True,
+                    "clip": {"x": 0, "y": 0, "width": WIDE, "height": 16000, "scale": 1}},
+                )  # fmt: skip
+                Path(shots, "tall.png").write_bytes(base64.b64decode(shot["data"]))
+                height = driver.execute_script("return document.documentElement.scrollHeight")
+                problems = screenshot_problems(Path(shots, "tall.png"), height)
+                # ... and the screenshots check_page takes cover it all.
+                whole = check_page(driver, page.as_uri(), navigation=False, shots=shots / "t")
+                if any("screenshot" in p for p in whole):
+                    failures.append(f"self-test: full screenshots of {name} fall short: {whole}")
+            else:
+                problems = check_page(driver, page.as_uri(), navigation=False)
+            if not any(expected in p for p in problems):
+                failures.append(f"self-test: the check did not catch {name} ({problems})")
+            else:
+                print(f"self-test: {name} caught: {[p for p in problems if expected in p][0]}")
     return failures
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("site", type=Path, help="the built HTML (docs/_build/html)")
-    parser.add_argument("--screenshots", type=Path, help="write one PNG per page here")
+    parser.add_argument("--screenshots", type=Path, help="write PNGs of each page here")
     parser.add_argument("--self-test", action="store_true", help="first check broken pages")
     args = parser.parse_args(argv)
     root = args.site.resolve()
@@ -153,10 +407,10 @@ def main(argv: list[str] | None = None) -> int:
         for page in pages(root):
             rel = page.relative_to(root)
             navigation = rel.parts[0] in ("tutorials", "api.html") or rel.name == "index.html"
-            problems = check_page(driver, page.as_uri(), navigation=navigation)
+            shots = None
             if args.screenshots:
-                shot = args.screenshots / (str(rel.with_suffix("")).replace("/", "__") + ".png")
-                _screenshot(driver, shot)
+                shots = args.screenshots / str(rel.with_suffix("")).replace("/", "__")
+            problems = check_page(driver, page.as_uri(), navigation=navigation, shots=shots)
             print(f"{'ok ' if not problems else 'BAD'} {rel}")
             failures += [f"{rel}: {p}" for p in problems]
         failures += check_search(driver, root)

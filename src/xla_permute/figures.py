@@ -19,6 +19,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
+from matplotlib.text import Text
 
 from xla_permute.pairs import PairsLike, check_groups, global_pairs
 
@@ -28,10 +29,31 @@ __all__ = [
     "pipeline_schedule_figure",
     "ring_attention_figure",
     "ring_schedule_figure",
+    "smallest_text",
 ]
 
 _GROUP_COLORS = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#ff7f0e", "#8c564b")
 _ZERO_COLOR = "#9a9a9a"
+
+
+#: Resolution of the PNGs notebooks show, and the PNG text key that records the size of the
+#: figure's smallest text in pixels at it (tests/check_site.py reads it: at the page's width the
+#: smallest text must be 9 pt or more).
+DPI = 110
+SMALLEST_TEXT_KEY = "xla-permute smallest text px"
+#: The smallest font size any figure here uses (points, at a width of about 7 inches).
+MIN_FONT = 9.5
+
+
+def smallest_text(fig: Figure) -> float:
+    """The font size, in points, of the smallest visible, non-empty text of ``fig``
+    (titles, labels, tick labels, legends, annotations); 0 when it has none."""
+    sizes = [
+        t.get_fontsize()
+        for t in fig.findobj(Text)
+        if t.get_visible() and t.get_text().strip() and t.figure is not None
+    ]
+    return min(sizes, default=0.0)
 
 
 class _DisplayFigure(Figure):
@@ -39,7 +61,9 @@ class _DisplayFigure(Figure):
 
     def _repr_png_(self) -> bytes:
         buf = BytesIO()
-        self.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+        px = smallest_text(self) * DPI / 72
+        metadata = {SMALLEST_TEXT_KEY: f"{px:.2f}"}
+        self.savefig(buf, format="png", dpi=DPI, bbox_inches="tight", metadata=metadata)
         return buf.getvalue()
 
 

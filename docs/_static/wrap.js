@@ -1,0 +1,34 @@
+// Each line of a code cell becomes a block (span.code-line), so that wrap.css can mark where
+// a long line wraps: its continuation is indented and carries an arrow. The text, its
+// highlighting and what the copy button copies stay the same.
+document.addEventListener("DOMContentLoaded", () => {
+  for (const pre of document.querySelectorAll("div.highlight pre")) {
+    const lines = [[]];
+    const walk = (node, wrap) => {
+      for (const child of Array.from(node.childNodes)) {
+        if (child.nodeType === Node.TEXT_NODE) {
+          child.textContent.split("\n").forEach((part, i) => {
+            if (i > 0) lines.push([]);
+            if (part) lines[lines.length - 1].push(wrap(document.createTextNode(part)));
+          });
+        } else if (child.nodeType === Node.ELEMENT_NODE) {
+          walk(child, (inner) => {
+            const copy = child.cloneNode(false);
+            copy.appendChild(inner);
+            return wrap(copy);
+          });
+        }
+      }
+    };
+    walk(pre, (inner) => inner);
+    if (lines.length > 1 && lines[lines.length - 1].length === 0) lines.pop();
+    pre.textContent = "";
+    for (const nodes of lines) {
+      const line = document.createElement("span");
+      line.className = "code-line";
+      if (nodes.length === 0) line.style.minHeight = "1lh";
+      for (const n of nodes) line.appendChild(n);
+      pre.appendChild(line);
+    }
+  }
+});
