@@ -458,3 +458,17 @@ def test_the_rules_sit_below_the_ops():
     own = {f"xla_permute.hardware.{m}" for m in ("catalog", "environment", "rules", "tpu")}
     for module in (catalog, environment, tpu, hardware):
         assert _package_imports(module) <= own | {"xla_permute.hlo"}, module.__name__
+
+
+@pytest.mark.parametrize("name", ["native", "emulated"])
+def test_the_xla_backends_refuse_spmd_mode_before_asking_the_runtime(monkeypatch, name):
+    """Every op finds its place through the backend: in SPMD mode that raises, first."""
+    import torch_xla
+
+    from xla_permute.xla_backend import xla_backend
+
+    monkeypatch.setenv("XLA_USE_SPMD", "1")
+    for place in (xla_backend(name).world_size, xla_backend(name).rank):
+        with pytest.raises(ValueError, match="cannot run in torch_xla's SPMD mode"):
+            place()
+    assert not torch_xla._XLAC._xla_runtime_is_initialized()  # refused before the runtime

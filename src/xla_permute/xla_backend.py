@@ -24,6 +24,7 @@ from collections.abc import Sequence
 import torch
 
 from xla_permute.backend import CommBackend, Handle, Ready
+from xla_permute.hardware.rules import check_not_spmd
 from xla_permute.pairs import Groups, Pairs, source_of
 
 __all__ = [
@@ -100,11 +101,13 @@ class _Xla(CommBackend):
     def world_size(self) -> int:
         import torch_xla.runtime as xr
 
+        check_not_spmd()  # SPMD mode: xr.world_size() is 1 on every device
         return xr.world_size()
 
     def rank(self) -> int:
         import torch_xla.runtime as xr
 
+        check_not_spmd()
         return xr.global_ordinal()
 
     @property

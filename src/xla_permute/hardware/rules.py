@@ -169,8 +169,13 @@ def spmd_mode(environ: Mapping[str, str] | None = None) -> bool:
     return env.get(SPMD_ENV, "").strip().lower() in ("1", "true")
 
 
-def check_not_spmd(op: str, environ: Mapping[str, str] | None = None) -> None:
-    """Refuse ``op`` (a collective of this package) in torch_xla's SPMD mode.
+def check_not_spmd(
+    op: str = "xla_permute's collectives", environ: Mapping[str, str] | None = None
+) -> None:
+    """Refuse ``op`` (the collectives of this package) in torch_xla's SPMD mode.
+
+    The XLA backends ask it whenever an op looks up its place (world size, rank), so every op
+    is refused before it issues a collective.
 
     In SPMD mode one program runs on every device and ``xr.world_size()`` is 1, so an op
     written for one program per device would see a single rank: its permutes would send to
@@ -184,10 +189,10 @@ def check_not_spmd(op: str, environ: Mapping[str, str] | None = None) -> None:
         ValueError: in SPMD mode, naming ``op`` and the two ways that work.
 
     >>> check_not_spmd("collective_permute", {})
-    >>> check_not_spmd("collective_permute", {"XLA_USE_SPMD": "1"})
+    >>> check_not_spmd(environ={"XLA_USE_SPMD": "1"})
     Traceback (most recent call last):
     ...
-    ValueError: collective_permute cannot run in torch_xla's SPMD mode (xr.use_spmd()): ...
+    ValueError: xla_permute's collectives cannot run in torch_xla's SPMD mode (xr.use_spmd()): ...
     """
     if not spmd_mode(environ):
         return
@@ -196,7 +201,7 @@ def check_not_spmd(op: str, environ: Mapping[str, str] | None = None) -> None:
         f"every device and xr.world_size() is 1, so this package's collectives, written for "
         f"one program per device, would see a single rank; inside a manual-sharding region "
         f"(torch_xla's _shard_map) xm.collective_permute aborts the process and xm.all_reduce "
-        f"is silently dropped. Run {op} in the multi-process mode (one process or device "
+        f"is silently dropped. Run them in the multi-process mode (one process or device "
         f"thread per device: torch_xla.launch, xmp.spawn, xla_permute.run_on_mesh) without "
         f"use_spmd(), or in SPMD mode leave the communication to the partitioner "
         f"(xs.mark_sharding). See xla_permute.hardware.caveats(), id spmd-manual-collectives"
