@@ -44,8 +44,11 @@ _ZERO_COLOR = "#9a9a9a"
 #: smallest text must be 9 pt or more).
 DPI = 110
 SMALLEST_TEXT_KEY = "xla-permute smallest text px"
-#: The smallest font size any figure here uses (points, at a width of about 7 inches).
+#: The smallest font size any figure here uses (points), and the widest figure (inches): a
+#: figure up to 8 inches wide is shown at 89% or more of its size in the page's 784 px column,
+#: so its smallest text stays above 9 pt there.
 MIN_FONT = 9.5
+MAX_WIDTH = 8.0
 
 
 def smallest_text(fig: Figure) -> float:
@@ -93,7 +96,9 @@ def _box(ax, x: float, y: float, text: str, color: str, filled: bool) -> None:
             linestyle="-" if filled else "--",
         )
     )
-    ax.text(x, y, text, ha="center", va="center", fontsize=9, color="white" if filled else color)
+    ax.text(
+        x, y, text, ha="center", va="center", fontsize=MIN_FONT, color="white" if filled else color
+    )
 
 
 def pairs_figure(
@@ -140,9 +145,17 @@ def pairs_figure(
             _box(ax, r, bottom, f"rank {r}", color, filled=True)
         else:
             _box(ax, r, bottom, f"rank {r}", _ZERO_COLOR, filled=False)
-            ax.text(r, bottom - 0.3, "zeros", ha="center", va="top", fontsize=8, color=_ZERO_COLOR)
+            ax.text(
+                r,
+                bottom - 0.3,
+                "zeros",
+                ha="center",
+                va="top",
+                fontsize=MIN_FONT,
+                color=_ZERO_COLOR,
+            )
         if received is not None:
-            ax.text(r, bottom - 0.52, received[r], ha="center", va="top", fontsize=8)
+            ax.text(r, bottom - 0.52, received[r], ha="center", va="top", fontsize=MIN_FONT)
     for s, t in glob:
         color = _GROUP_COLORS[group_of[s] % len(_GROUP_COLORS)] if multi else "black"
         ax.add_patch(
@@ -162,9 +175,9 @@ def pairs_figure(
             Patch(color=_GROUP_COLORS[i % len(_GROUP_COLORS)], label=f"group {list(g)}")
             for i, g in enumerate(check_groups(groups, n))
         ]
-        ax.legend(handles=handles, loc="lower left", fontsize=8, frameon=False)
-    ax.text(-0.6, top, "x (sends)", ha="right", va="center", fontsize=9)
-    ax.text(-0.6, bottom, "y (receives)", ha="right", va="center", fontsize=9)
+        ax.legend(handles=handles, loc="lower left", fontsize=MIN_FONT, frameon=False)
+    ax.text(-0.6, top, "x (sends)", ha="right", va="center", fontsize=MIN_FONT)
+    ax.text(-0.6, bottom, "y (receives)", ha="right", va="center", fontsize=MIN_FONT)
     ax.set_xlim(-1.9, n - 0.5)
     ax.set_ylim(-0.95 if received is not None else -0.6, 1.35)
     ax.set_axis_off()
@@ -197,7 +210,7 @@ def pipeline_schedule_figure(schedule, *, title: str | None = None) -> Figure:
     forward, backward = schedule.forward, schedule.backward
     columns = [("F", tick) for tick in forward] + [("B", tick) for tick in backward]
     n_fwd, stages = len(forward), schedule.stages
-    fig = new_figure(figsize=(0.5 * len(columns) + 1.6, 0.5 * stages + 1.3))
+    fig = new_figure(figsize=(min(MAX_WIDTH, 0.5 * len(columns) + 1.6), 0.5 * stages + 1.3))
     ax = fig.add_subplot()
     colors = {"F": "#1f77b4", "B": "#ff7f0e"}
     gap = 0.6  # between the forward and the backward half
@@ -217,19 +230,21 @@ def pipeline_schedule_figure(schedule, *, title: str | None = None) -> Figure:
                 )
             )
             if busy:
-                ax.text(x + 0.46, y + 0.43, f"{kind} {m}", ha="center", va="center", fontsize=8)
+                ax.text(
+                    x + 0.46, y + 0.43, f"{kind} {m}", ha="center", va="center", fontsize=MIN_FONT
+                )
     shifts = [(t + 1, "+1") for t in range(n_fwd - 1)]
     shifts += [(n_fwd + t + 1 + gap, "-1") for t in range(len(backward) - 1)]
     if stages > 1:
         for x, label in shifts:
             ax.plot([x - 0.04, x - 0.04], [-0.1, stages - 0.1], ls="--", lw=0.8, color="#555555")
-            ax.text(x - 0.04, -0.35, label, ha="center", va="center", fontsize=7)
+            ax.text(x - 0.04, -0.35, label, ha="center", va="center", fontsize=MIN_FONT)
     ax.set_yticks([stages - 1 - s + 0.43 for s in range(stages)])
-    ax.set_yticklabels([f"stage {s}" for s in range(stages)], fontsize=8)
+    ax.set_yticklabels([f"stage {s}" for s in range(stages)], fontsize=MIN_FONT)
     ax.set_xticks([c + 0.46 + (gap if c >= n_fwd else 0.0) for c in range(len(columns))])
     ax.set_xticklabels([str(c if c < n_fwd else c - n_fwd) for c in range(len(columns))])
-    ax.tick_params(axis="x", labelsize=7)
-    ax.set_xlabel("forward ticks  |  backward ticks", fontsize=8)
+    ax.tick_params(axis="x", labelsize=MIN_FONT)
+    ax.set_xlabel("forward ticks  |  backward ticks", fontsize=MIN_FONT)
     ax.set_xlim(-0.2, len(columns) + gap + 0.1)
     ax.set_ylim(-0.6, stages)
     for side in ("top", "right", "left", "bottom"):
@@ -273,9 +288,11 @@ def ring_schedule_figure(n: int, kind: str = "all_gather", bidirectional: bool =
                                             boxstyle="round,pad=0.01", facecolor=colors(block % 10),
                                             edgecolor="none", alpha=0.85))  # fmt: skip
                 ax.text(x0 + width / 2, r - 0.08, f"{letter}{block}", ha="center", va="center",
-                        color="white", fontsize=9, fontweight="bold")  # fmt: skip
+                        color="white", fontsize=MIN_FONT, fontweight="bold")  # fmt: skip
             sends = " ".join("\u2193 r+1" if d == 1 else "\u2191 r-1" for d in step.sends)
-            ax.text(step.step, r + 0.3, sends, ha="center", va="center", fontsize=7, color="0.3")
+            ax.text(
+                step.step, r + 0.3, sends, ha="center", va="center", fontsize=MIN_FONT, color="0.3"
+            )
     ax.set_xlim(-0.6, len(steps[0]) - 0.4)
     ax.set_ylim(n - 0.4, -0.6)
     ax.set_xticks(range(len(steps[0])), [f"step {t}" for t in range(len(steps[0]))])
@@ -307,9 +324,9 @@ def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
     from xla_permute.schedule import ring_attention_schedule, schedule_work
     from xla_permute.sequence import layout_chunks
 
-    fig = new_figure(figsize=(2 * (1.0 * n + 0.8), 0.9 * n + 1.2))
+    fig = new_figure(figsize=(MAX_WIDTH, 2 * (0.7 * n + 1.0)))
     for p, layout in enumerate(("contiguous", "zigzag")):
-        ax = fig.add_subplot(1, 2, p + 1)
+        ax = fig.add_subplot(2, 1, p + 1)  # stacked: wide cells, legible labels
         busiest = 0.0
         total = 0.0
         for r in range(n):
@@ -319,12 +336,12 @@ def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
             own = layout_chunks(n, r, layout)
             for hop, w in zip(schedule, work, strict=True):
                 held = layout_chunks(n, hop.source, layout)
-                size = 0.8 / len(own)
+                size = 0.62 / len(own)
                 blocks = hop.blocks
                 kinds = {(i, j): b.causal for b in blocks for i in b.q_chunks for j in b.k_chunks}
                 for a, i in enumerate(own):
                     for c, j in enumerate(held):
-                        x0, y0 = hop.hop - 0.4 + c * size, r - 0.4 + a * size
+                        x0, y0 = hop.hop - 0.45 + c * size, r - 0.31 + a * size
                         ax.add_patch(Rectangle((x0, y0), size, size, facecolor="white",
                                                edgecolor="#bbbbbb", linewidth=0.6))  # fmt: skip
                         if (i, j) not in kinds:
@@ -338,8 +355,8 @@ def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
                         )
                         ax.add_patch(shape)
                         ax.text(x0 + size / 2, y0 + size / 2, f"q{i}k{j}", ha="center",
-                                va="center", fontsize=6, color="black")  # fmt: skip
-                ax.text(hop.hop + 0.45, r + 0.4, f"{w:g}", ha="right", va="bottom", fontsize=7)
+                                va="center", fontsize=MIN_FONT, color="black")  # fmt: skip
+                ax.text(hop.hop + 0.45, r, f"{w:g}", ha="right", va="center", fontsize=MIN_FONT)
         for t in range(n):
             busiest += max(
                 schedule_work(ring_attention_schedule(n, r, causal=causal, layout=layout))[t]
@@ -347,13 +364,13 @@ def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
             )
         ax.set_xlim(-0.5, n - 0.5)
         ax.set_ylim(n - 0.5, -0.55)
-        ax.set_xticks(range(n), [f"hop {t}" for t in range(n)], fontsize=8)
-        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=8)
+        ax.set_xticks(range(n), [f"hop {t}" for t in range(n)], fontsize=MIN_FONT)
+        ax.set_yticks(range(n), [f"rank {r}" for r in range(n)], fontsize=MIN_FONT)
         ax.tick_params(length=0)
         for spine in ax.spines.values():
             spine.set_visible(False)
         balance = total / (n * busiest) if busiest else 1.0
-        ax.set_title(f"{layout}: {balance:.0%} of ideal", fontsize=9)
+        ax.set_title(f"{layout}: {balance:.0%} of ideal", fontsize=MIN_FONT)
     what = "causal" if causal else "full"
     fig.suptitle(f"ring attention, {what}, N={n} (from ring_attention_schedule)", fontsize=10)
     fig.tight_layout()
