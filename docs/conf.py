@@ -213,7 +213,31 @@ def _test_files_directive():
     return TestFiles
 
 
+def _runtime_role(name, rawtext, text, lineno, inliner, options=None, content=None):
+    """``{page-runtime}`this page```: how long this page's cells took to run, filled in once
+    the page has executed (or been read from the test run's cache) by :func:`_fill_runtime`."""
+    from docutils import nodes
+
+    node = nodes.inline(text="not measured in this build", classes=["page-runtime"])
+    node["page_runtime"] = True
+    return [node], []
+
+
+def _fill_runtime(app, doctree, docname) -> None:
+    from docutils import nodes
+    from myst_nb.sphinx_ import NbMetadataCollector
+
+    data = NbMetadataCollector.get_exec_data(app.env, docname) or {}
+    seconds = data.get("runtime")
+    for node in list(doctree.findall(nodes.inline)):
+        if node.get("page_runtime") and seconds:
+            text = f"{seconds:.0f} s" if seconds < 90 else f"{seconds / 60:.1f} min"
+            node.children = [nodes.Text(f"{text} (its cells, as last executed for this build)")]
+
+
 def setup(app) -> None:
+    app.add_role("page-runtime", _runtime_role)
+    app.connect("doctree-resolved", _fill_runtime)
     app.connect("html-page-context", _notebook_download, priority=400)
     app.connect("missing-reference", _resolve_public_name)
     app.add_directive("test-files", _test_files_directive())
