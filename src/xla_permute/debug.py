@@ -10,6 +10,11 @@ and what differs::
 
     collective_permute: the ranks disagree on x.shape: rank 1 passes (3,), ranks 0, 2, 3 pass (2,)
 
+The default: on in the device process of :func:`xla_permute.run_on_mesh` (the CPU mesh, where
+programs are written), which sets ``XLA_PERMUTE_DEBUG=1`` unless the caller's environment or
+its ``env`` sets the variable; off elsewhere (TPU, Neuron, real processes) unless set. Turn it
+off (``XLA_PERMUTE_DEBUG=0``) to time a program known to be correct, as the bench does.
+
 This is PyTorch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for this package. Its cost is one small
 all-gather per checked op, executed at once (the bench measures the ratio). The check runs in
 a program of its own, on a fresh collective token, so it is never part of the traced program;

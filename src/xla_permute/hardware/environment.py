@@ -55,8 +55,7 @@ class Environment:
             f"runtime started:   {self.runtime_initialized}",
             "SPMD mode:         "
             + (
-                "on (xr.use_spmd()): xla_permute's collectives refuse to run; caveat "
-                "spmd-manual-collectives"
+                "on (xr.use_spmd()): this package's collectives refuse to run"
                 if self.spmd
                 else "off"
             ),
