@@ -2,7 +2,8 @@
 
 Figure functions return a ``matplotlib.figure.Figure``; made with :func:`new_figure`, a
 notebook shows it as a PNG without pyplot. A script saves it with ``fig.savefig(path)``.
-Nothing here touches an XLA device.
+Nothing here touches an XLA device. Per-rank tables (:func:`~xla_permute.tables.rank_table`,
+in :mod:`xla_permute.tables`) are reached from here too, as ``xp.figures.rank_table``.
 
 >>> fig = pairs_figure([(0, 1), (1, 0), (2, 2)], n=4)   # a swap and a fixed point
 >>> arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
@@ -22,15 +23,14 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 from matplotlib.text import Text
 
 from xla_permute.pairs import PairsLike, check_groups, global_pairs
+from xla_permute.tables import RankTable, describe, rank_table  # noqa: F401  (xp.figures.rank_table)
 
 __all__ = [
-    "RankTable",
-    "describe",
     "new_figure",
+    "overlap_timeline_figure",
     "pairs_figure",
     "pipeline_schedule_figure",
     "ring_attention_figure",
-    "rank_table",
     "ring_schedule_figure",
     "smallest_text",
 ]
@@ -377,90 +377,74 @@ def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
     return fig
 
 
-class RankTable:
-    """Per-rank values as a table: one row per rank, one column per label.
+def overlap_timeline_figure(chip: Any, work: Any) -> Figure:
+    """One rank's timeline of a unidirectional all-gather-matmul next to the baseline's.
 
-    Jupyter shows it as an HTML table (``_repr_html_``); ``str()`` gives the same table as
-    aligned text. Made by :func:`rank_table`.
+    Drawn from :func:`xla_permute.schedule.all_gather_schedule` (which block rank 0 multiplies
+    and sends at each step) and the cost model's terms for ``work`` on ``chip``
+    (:mod:`xla_permute.cost`): each step's matmul and the transfer of its block run at once,
+    and the next step starts when the longer of the two and the hop's latency and overhead
+    are over; the baseline's all-gather runs first and its one matmul waits for it. The two
+    totals are :func:`~xla_permute.cost.predict`'s, checked here.
+
+    >>> from xla_permute import cost
+    >>> w = cost.Workload(m=2048, k=8192, n=2048, n_devices=4)
+    >>> fig = overlap_timeline_figure(cost.CHIPS["tpu-v5e"], w)
+    >>> [t.get_text() for t in fig.axes[0].get_yticklabels()][:2]
+    ['ring: link', 'ring: matmul']
     """
+    import math
 
-    def __init__(self, columns: Sequence[str], rows: Sequence[Sequence[str]], title: str = ""):
-        self.columns, self.rows, self.title = list(columns), [list(r) for r in rows], title
+    from xla_permute.cost.model import link_time, matmul_time, predict
+    from xla_permute.schedule import all_gather_schedule
 
-    def _repr_html_(self) -> str:
-        from html import escape
+    if work.op != "all_gather_matmul" or work.chunks != 1:
+        raise ValueError("overlap_timeline_figure draws an unchunked all_gather_matmul only")
+    n, us = work.n_devices, 1e6
+    step = matmul_time(chip, work.m, work.k, work.n, work.dtype_bytes) * us
+    send = link_time(chip, work.block_bytes) * us
+    hops = 1 if (work.wraps(chip) or chip.switched) else n - 1
+    wait = (hops * chip.hop_latency + chip.collective_overhead) * us
+    ring, base = predict(chip, work, "uni"), predict(chip, work, "baseline")
+    fig = new_figure(figsize=(MAX_WIDTH, 3.3))
+    ax = fig.add_subplot()
+    lanes = {"ring: link": 3, "ring: matmul": 2, "baseline: link": 1, "baseline: matmul": 0}
+    colors = {"link": "#ff7f0e", "matmul": "#1f77b4", "wait": "#cccccc"}
 
-        head = "".join(f"<th>{escape(c)}</th>" for c in self.columns)
-        body = "".join(
-            "<tr>" + "".join(f"<td>{escape(v)}</td>" for v in row) + "</tr>" for row in self.rows
-        )
-        caption = f"<caption>{escape(self.title)}</caption>" if self.title else ""
-        return (
-            f'<table class="rank-table">{caption}<thead><tr>{head}</tr></thead>'
-            f"<tbody>{body}</tbody></table>"
-        )
+    def bar(lane: str, start: float, length: float, kind: str, label: str = "") -> None:
+        ax.barh(lanes[lane], length, left=start, height=0.7, color=colors[kind])
+        if label and length > 0.06 * ring.total * us:
+            ax.text(start + length / 2, lanes[lane], label, ha="center", va="center",
+                    fontsize=MIN_FONT, color="white" if kind != "wait" else "black")  # fmt: skip
 
-    def __str__(self) -> str:
-        table = [self.columns, *self.rows]
-        widths = [max(len(row[i]) for row in table) for i in range(len(self.columns))]
-        lines = [
-            "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
-            for row in table
-        ]
-        return "\n".join([self.title, *lines] if self.title else lines)
-
-    __repr__ = __str__
-
-
-def describe(value: Any, max_values: int = 8) -> str:
-    """A short text for one table cell: a small tensor's values, a larger one's shape.
-
-    >>> import torch
-    >>> describe(torch.tensor([[1.0, 2.0], [3.0, 4.5]])), describe(torch.zeros(2, 8))
-    ('[[1, 2], [3, 4.5]]', '[2, 8] float32')
-    """
-    if hasattr(value, "shape") and hasattr(value, "tolist"):
-        if value.numel() <= max_values:
-            return str(_plain(value.tolist()))
-        return f"[{', '.join(str(s) for s in value.shape)}] {str(value.dtype).split('.')[-1]}"
-    return str(value)
-
-
-def _plain(v: Any) -> Any:
-    """Integer-valued floats as ints, in nested lists."""
-    if isinstance(v, list):
-        return [_plain(u) for u in v]
-    return int(v) if isinstance(v, float) and v.is_integer() else v
-
-
-def rank_table(
-    per_rank: Sequence[Any], columns: Sequence[str] | None = None, *, title: str = ""
-) -> RankTable:
-    """A table of what each rank holds: row ``r`` is ``per_rank[r]``.
-
-    ``per_rank[r]`` is a dict (its keys are the columns) or a sequence of cells (``columns``
-    names them; default ``0, 1, ...``). A cell that is a tensor shows its values when it has
-    at most 8 elements, else its shape and dtype; anything else shows as ``str()``.
-
-    >>> print(rank_table([{"holds": "x0", "sends to": 1}, {"holds": "x1", "sends to": 0}]))
-    rank  holds  sends to
-    0     x0     1
-    1     x1     0
-    """
-    rows = []
-    for r, entry in enumerate(per_rank):
-        if isinstance(entry, dict):
-            if columns is None:
-                columns = list(entry)
-            cells = [entry[c] for c in columns]
+    t = 0.0
+    for s in all_gather_schedule(n, rank=0):
+        bar("ring: matmul", t, step, "matmul", f"x{s.blocks[0]} @ w")
+        if s.sends:
+            bar("ring: link", t, send, "link", f"x{s.blocks[0]} to rank 1")
+            bar("ring: link", t + max(step, send), wait, "wait")
+            t += max(step, send) + wait
         else:
-            cells = list(entry)
-            if columns is None:
-                columns = [str(i) for i in range(len(cells))]
-        if len(cells) != len(columns):
-            raise ValueError(
-                f"rank_table: rank {r} has {len(cells)} cells for {len(columns)} columns "
-                f"{list(columns)}; give every rank one value per column"
-            )
-        rows.append([str(r), *(describe(v) for v in cells)])
-    return RankTable(["rank", *(columns or [])], rows, title)
+            t += step
+    if not math.isclose(t, ring.total * us, rel_tol=1e-9):
+        raise AssertionError(f"timeline {t} us != the model's {ring.total * us} us")
+    gather = (base.comm + base.latency) * us
+    bar("baseline: link", 0.0, gather, "link", "all-gather")
+    bar("baseline: matmul", gather, base.math * us, "matmul", f"x (all {n}) @ w")
+    ax.set_yticks(list(lanes.values()), list(lanes))
+    ax.tick_params(labelsize=MIN_FONT)
+    ax.set_xlabel("microseconds (cost model)", fontsize=MIN_FONT)
+    for name, total in (("ring", ring.total), ("baseline", base.total)):
+        y = lanes[f"{name}: link"] + 0.45
+        ax.text(total * us, y, f" {total * us:.0f} us", va="bottom", fontsize=MIN_FONT)
+    handles = [Patch(color=c, label=k if k != "wait" else "hop latency + overhead")
+               for k, c in colors.items()]  # fmt: skip
+    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3,
+              fontsize=MIN_FONT, frameon=False)  # fmt: skip
+    ax.set_xlim(0, max(ring.total, base.total) * us * 1.15)
+    ax.set_ylim(-0.6, 3.9)
+    for side in ("top", "right"):
+        ax.spines[side].set_visible(False)
+    ax.set_title(f"{chip.name}, N={n}: rank 0's steps (model, not a measurement)", fontsize=10)
+    fig.tight_layout()
+    return fig

@@ -1,0 +1,103 @@
+"""Per-rank results as tables: one row per rank, the way notebooks show where the data is.
+
+:func:`rank_table` turns what each rank returned (tensors, labels) into a
+:class:`RankTable`, which a notebook shows as an HTML table and ``print`` as aligned text.
+Reached as ``xp.figures.rank_table``. No torch or matplotlib import: tensors are recognised
+by their ``shape`` and ``tolist``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["RankTable", "describe", "rank_table"]
+
+
+class RankTable:
+    """Per-rank values as a table: one row per rank, one column per label.
+
+    Jupyter shows it as an HTML table (``_repr_html_``); ``str()`` gives the same table as
+    aligned text. Made by :func:`rank_table`.
+    """
+
+    def __init__(self, columns: Sequence[str], rows: Sequence[Sequence[str]], title: str = ""):
+        self.columns, self.rows, self.title = list(columns), [list(r) for r in rows], title
+
+    def _repr_html_(self) -> str:
+        from html import escape
+
+        head = "".join(f"<th>{escape(c)}</th>" for c in self.columns)
+        body = "".join(
+            "<tr>" + "".join(f"<td>{escape(v)}</td>" for v in row) + "</tr>" for row in self.rows
+        )
+        caption = f"<caption>{escape(self.title)}</caption>" if self.title else ""
+        return (
+            f'<table class="rank-table">{caption}<thead><tr>{head}</tr></thead>'
+            f"<tbody>{body}</tbody></table>"
+        )
+
+    def __str__(self) -> str:
+        table = [self.columns, *self.rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(self.columns))]
+        lines = [
+            "  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)).rstrip()
+            for row in table
+        ]
+        return "\n".join([self.title, *lines] if self.title else lines)
+
+    __repr__ = __str__
+
+
+def describe(value: Any, max_values: int = 8) -> str:
+    """A short text for one table cell: a small tensor's values, a larger one's shape.
+
+    >>> import torch
+    >>> describe(torch.tensor([[1.0, 2.0], [3.0, 4.5]])), describe(torch.zeros(2, 8))
+    ('[[1, 2], [3, 4.5]]', '[2, 8] float32')
+    """
+    if hasattr(value, "shape") and hasattr(value, "tolist"):
+        if value.numel() <= max_values:
+            return str(_plain(value.tolist()))
+        return f"[{', '.join(str(s) for s in value.shape)}] {str(value.dtype).split('.')[-1]}"
+    return str(value)
+
+
+def _plain(v: Any) -> Any:
+    """Integer-valued floats as ints, in nested lists."""
+    if isinstance(v, list):
+        return [_plain(u) for u in v]
+    return int(v) if isinstance(v, float) and v.is_integer() else v
+
+
+def rank_table(
+    per_rank: Sequence[Any], columns: Sequence[str] | None = None, *, title: str = ""
+) -> RankTable:
+    """A table of what each rank holds: row ``r`` is ``per_rank[r]``.
+
+    ``per_rank[r]`` is a dict (its keys are the columns) or a sequence of cells (``columns``
+    names them; default ``0, 1, ...``). A cell that is a tensor shows its values when it has
+    at most 8 elements, else its shape and dtype; anything else shows as ``str()``.
+
+    >>> print(rank_table([{"holds": "x0", "sends to": 1}, {"holds": "x1", "sends to": 0}]))
+    rank  holds  sends to
+    0     x0     1
+    1     x1     0
+    """
+    rows = []
+    for r, entry in enumerate(per_rank):
+        if isinstance(entry, dict):
+            if columns is None:
+                columns = list(entry)
+            cells = [entry[c] for c in columns]
+        else:
+            cells = list(entry)
+            if columns is None:
+                columns = [str(i) for i in range(len(cells))]
+        if len(cells) != len(columns):
+            raise ValueError(
+                f"rank_table: rank {r} has {len(cells)} cells for {len(columns)} columns "
+                f"{list(columns)}; give every rank one value per column"
+            )
+        rows.append([str(r), *(describe(v) for v in cells)])
+    return RankTable(["rank", *(columns or [])], rows, title)
