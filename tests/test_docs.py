@@ -1,7 +1,9 @@
-"""The docs build (-n -W) without executing the tutorials: structure, references, API page.
+"""The docs build (-n -W) without executing the tutorials: structure, references, API page;
+the cache through which the docs show what the test run executed; the per-rank table.
 
-The tutorials' cells themselves run as test items (conftest.py); ``make docs`` runs them again,
-with execution forced, to render their outputs.
+The tutorials' cells themselves run as test items (conftest.py), which save each executed
+tutorial for ``make docs`` to render (tests/notebook_cells.py); it executes only pages that
+are not in that cache.
 """
 
 import subprocess
@@ -19,3 +21,72 @@ def test_docs_build_without_warnings(tmp_path):
     )
     assert out.returncode == 0, out.stderr[-4000:]
     assert (tmp_path / "html" / "api.html").exists()
+
+
+PAGE = """---
+kernelspec:
+  display_name: Python 3
+  language: python
+  name: python3
+---
+
+# A page
+
+```{code-cell} ipython3
+x = 6 * 7
+```
+
+Text between the cells.
+
+```{code-cell} ipython3
+print("x is", x)
+```
+"""
+
+
+def test_the_docs_build_reads_what_the_test_run_executed(tmp_path):
+    """The collector's cache (tests/notebook_cells.py) is keyed as the docs build reads pages:
+    the executed outputs come back for the same cells, and a changed cell misses."""
+    import pytest
+    from jupyter_cache import get_cache
+    from notebook_cells import CellRunner, cache_executed, code_cells, read_notebook
+
+    page, cache_path = tmp_path / "page.md", tmp_path / "cache"
+    page.write_text(PAGE)
+    runner = CellRunner(page)
+    try:
+        first = code_cells(page)[0]
+        runner.run(first.index)
+        with pytest.raises(ValueError, match="not every cell ran"):
+            cache_executed(runner, cache_path)
+        for cell in code_cells(page)[1:]:
+            runner.run(cell.index)
+    finally:
+        runner.close()
+    cache_executed(runner, cache_path)
+
+    cache = get_cache(str(cache_path))
+    _, merged = cache.merge_match_into_notebook(read_notebook(page))
+    outputs = [cell.outputs for cell in merged.cells if cell.cell_type == "code"]
+    assert outputs[0] == [] and outputs[1][0]["text"] == "x is 42\n"
+    assert cache.list_cache_records()[0].data["execution_seconds"] > 0
+
+    page.write_text(PAGE.replace("6 * 7", "6 * 8"))
+    with pytest.raises(KeyError):
+        cache.match_cache_notebook(read_notebook(page))
+
+
+def test_rank_table_shows_each_rank_as_a_row():
+    import pytest
+    import torch
+
+    from xla_permute.figures import rank_table
+
+    table = rank_table([{"x": torch.arange(3.0), "<b>": "a"}, {"x": torch.zeros(4, 4), "<b>": 1}])
+    html = table._repr_html_()
+    assert html.count("<tr>") == 3 and "&lt;b&gt;" in html and "<b>" not in html
+    assert [line.split("  ")[0] for line in str(table).splitlines()] == ["rank", "0", "1"]
+    assert "[0, 1, 2]" in str(table).splitlines()[1]  # a small tensor: its values
+    assert "[4, 4] float32" in str(table).splitlines()[2]  # a larger one: shape and dtype
+    with pytest.raises(ValueError, match="rank 1 has 1 cells for 2 columns"):
+        rank_table([[1, 2], [3]], ["a", "b"])
