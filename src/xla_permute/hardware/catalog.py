@@ -128,7 +128,7 @@ def caveat_table(
         if column == "sources":
             return ", ".join(_link(url) for url in v)
         if column == "applies_to":
-            return ", ".join(v)
+            return "every device type" if "*" in v else ", ".join(v)
         return _cell(str(v))
 
     rows = [f"| {' | '.join(value(c, col) for col in columns)} |" for c in selected]
