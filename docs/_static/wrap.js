@@ -28,6 +28,8 @@ document.addEventListener("DOMContentLoaded", () => {
       line.className = "code-line";
       if (nodes.length === 0) line.style.minHeight = "1lh";
       for (const n of nodes) line.appendChild(n);
+      const indent = line.textContent.length - line.textContent.trimStart().length;
+      if (indent) line.style.setProperty("--indent", `${indent}ch`);
       pre.appendChild(line);
     }
   }
