@@ -183,8 +183,14 @@ def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBacke
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    xla = x.device.type == "xla" or not distributed_ready()
-    if backend in ("native", "emulated") or (backend == "auto" and xla):
+    ready = distributed_ready()
+    if backend in ("native", "emulated") and ready and x.device.type != "xla":
+        raise ValueError(
+            f"{name} is on device {x.device}, not an XLA device, but backend={backend!r} runs "
+            f"torch_xla collectives on XLA tensors; use backend='c10d' (or 'auto') for "
+            f"{x.device.type} tensors on the torch.distributed process group"
+        )
+    if backend in ("native", "emulated") or (backend == "auto" and not ready):
         from xla_permute.xla_backend import check_xla_tensor
 
         check_xla_tensor(x, name)

@@ -48,6 +48,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--attention", action="store_true",
         help="instead: ring attention vs all-gather K/V, bytes and peak memory at N=4 and 8",
     )  # fmt: skip
+    parser.add_argument(
+        "--backend", choices=("xla", "c10d"), default="xla",
+        help="xla: the CPU mesh (default); c10d: real processes on torch.distributed (gloo), "
+        "ring vs baseline wall time at --processes",
+    )  # fmt: skip
+    parser.add_argument(
+        "--processes", type=int, nargs="+",
+        help="with --backend c10d: process counts, one torchrun launch each (default 2 4)",
+    )  # fmt: skip
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -74,6 +83,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if getattr(args, "backend", "xla") == "c10d":
+        return _run_c10d(args)
     if getattr(args, "attention", False):
         from xla_permute.tools.bench.attention import format_attention_report, run_attention_bench
 
@@ -89,3 +100,23 @@ def run_from_args(args: argparse.Namespace) -> int:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print_progress(f"wrote {args.json}")
     return 0 if all(c["ok"] for c in result["checks"]) else 1
+
+
+def _run_c10d(args: argparse.Namespace) -> int:
+    """``bench --backend c10d``: the rings on torch.distributed (tools/bench/c10d.py)."""
+    from xla_permute.tools.bench.c10d import config_with, format_c10d_report, run_c10d_bench
+
+    processes = tuple(args.processes) if args.processes else None
+    try:
+        config = config_with(
+            "tiny" if args.preset == "tiny" else "default", m=args.m, k=args.k, f=args.f,
+            repeats=args.repeats, warmup=args.warmup, processes=processes,
+        )  # fmt: skip
+    except ValueError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    result = run_c10d_bench(config)
+    print(format_c10d_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if all(c["ok"] for c in result["checks"] if "allclose" in c["name"]) else 1
