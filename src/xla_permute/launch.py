@@ -46,6 +46,10 @@ import cloudpickle
 
 from xla_permute.debug import ENV as _DEBUG_ENV
 
+#: torch_xla's switch for donating updated parameters' buffers (off on the mesh, see
+#: :func:`mesh_environment`).
+_ALIASING_ENV = "XLA_ENABLE_PARAM_ALIASING"
+
 __all__ = ["MeshError", "RankError", "mesh_environment", "run_on_mesh"]
 
 #: Seconds after which a mesh run counts as hung (a collective that never completes).
@@ -119,9 +123,22 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
     package first checks that the ranks agree) unless this process's environment or ``env``
     sets ``XLA_PERMUTE_DEBUG`` (``"0"`` turns it off, e.g. for timed runs of a correct program).
 
+    It also turns torch_xla's parameter aliasing off (``XLA_ENABLE_PARAM_ALIASING=0``) unless
+    this process's environment or ``env`` sets it. With aliasing on, a training loop on a mesh
+    of device *threads* can deadlock: ``torch_xla.sync()`` resets the collective token after
+    it has dispatched the step, with the GIL held, and dropping the token can free a buffer
+    that the step's still-running program holds (an input donated to it); the free waits for
+    that program, the program waits in a collective for a rank that is still tracing, and that
+    rank waits for the GIL. XLA:CPU breaks the deadlock after 15 s by aborting the process
+    (``Termination timeout for `all gather ...```). The cost: each step's updated parameters
+    and optimizer states get new buffers instead of reusing the old ones (the bench measures
+    it). Tutorial 04 has the reproducer and the conditions.
+
     >>> e = mesh_environment(4)
     >>> e["PJRT_DEVICE"], e["CPU_NUM_DEVICES"], int(e["XLA_THREAD_POOL_SIZE"]) >= 4
     ('CPU', '4', True)
+    >>> e["XLA_ENABLE_PARAM_ALIASING"]
+    '0'
     >>> off = {"XLA_PERMUTE_DEBUG": "0"}
     >>> mesh_environment(2)["XLA_PERMUTE_DEBUG"], mesh_environment(2, off)["XLA_PERMUTE_DEBUG"]
     ('1', '0')
@@ -138,6 +155,9 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
     # The CPU mesh is where programs are developed: ranks that disagree raise by default.
     if not out.get(_DEBUG_ENV, "").strip():
         out[_DEBUG_ENV] = "1"
+    # Parameter aliasing deadlocks training loops on a mesh of threads (see the docstring).
+    if not out.get(_ALIASING_ENV, "").strip():
+        out[_ALIASING_ENV] = "0"
     # The child must import what the caller can import (tests/, a notebook's directory).
     paths = [p or os.getcwd() for p in sys.path] + [out.get("PYTHONPATH", "")]
     out["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
