@@ -10,6 +10,9 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
+# Sums over a group (all-reduce) and of replicated parameters' gradients
+from xla_permute.allreduce import all_reduce, all_reduce_gradients
+
 # Ring attention (context parallelism) and its sequence layouts
 from xla_permute.attention import all_gather_attention, ring_attention
 from xla_permute.collectives import all_gather, reduce_scatter, sum_gradients
@@ -35,6 +38,9 @@ from xla_permute.matmul import (
     matmul_reduce_scatter,
     matmul_then_reduce_scatter,
 )
+
+# A TP x CP grid of ranks: its groups and its two-level token sharding
+from xla_permute.mesh2d import Mesh2D
 
 # Pairs of a CollectivePermute (pure Python)
 from xla_permute.pairs import (
@@ -121,6 +127,8 @@ __all__ = [
     "all_gather_matmul",
     "all_gather_schedule",
     "all_gather_then_matmul",
+    "all_reduce",
+    "all_reduce_gradients",
     "AttentionBlock",
     "AttentionHop",
     "check_groups",
@@ -140,6 +148,7 @@ __all__ = [
     "make_schedule",
     "matmul_reduce_scatter",
     "matmul_then_reduce_scatter",
+    "Mesh2D",
     "MeshError",
     "one_f_one_b_schedule",
     "pipeline_forward",

@@ -1,0 +1,150 @@
+"""A tensor-parallel x context-parallel grid of ranks: its groups and its token sharding.
+
+``Mesh2D(tp=T, cp=C)`` lays ``T*C`` ranks out as Megatron-LM does, tensor parallelism
+innermost (the ranks of a TP group are adjacent, the fastest links): rank
+``r = c*T + t`` has TP index ``t`` and CP index ``c``.
+
+* ``tp_groups``: ranks with the same CP index (``[[0, 1], [2, 3]]`` for 2 x 2); they shard
+  the weights (column/row parallel) and, with sequence parallelism, split their CP shard's
+  tokens between them.
+* ``cp_groups``: ranks with the same TP index (``[[0, 2], [1, 3]]``); they hold the same
+  weight shards and split the sequence (ring attention runs over them).
+
+The sequence is sharded in two levels: over the CP groups in ``layout`` (``"zigzag"``
+balances causal attention, :mod:`xla_permute.sequence`), then each CP shard in ``T``
+contiguous pieces over its TP group. So a column-parallel layer's all-gather within a TP
+group gives back that group's whole CP shard, in the order ring attention expects, and a
+row-parallel layer's reduce-scatter splits it again.
+
+>>> mesh = Mesh2D(tp=2, cp=2)
+>>> mesh.tp_groups, mesh.cp_groups, mesh.coords(3)
+([[0, 1], [2, 3]], [[0, 2], [1, 3]], (1, 1))
+>>> mesh.positions(8)
+[[0, 1], [6, 7], [2, 3], [4, 5]]
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from xla_permute.sequence import _check_dim, check_layout, shard_sequence, unshard_sequence
+
+__all__ = ["Mesh2D"]
+
+
+def _size(value: object, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int number of ranks, got {value!r}")
+    if value < 1:
+        raise ValueError(f"{name} must be >= 1 ranks, got {value}")
+    return value
+
+
+class Mesh2D:
+    """``tp * cp`` ranks as a TP x CP grid (module docstring). Pure Python: build it anywhere.
+
+    Args:
+        tp: ranks per tensor-parallel group (weights sharded over them).
+        cp: ranks per context-parallel group (the sequence split over them).
+    """
+
+    def __init__(self, tp: int, cp: int) -> None:
+        self.tp, self.cp = _size(tp, "tp"), _size(cp, "cp")
+
+    @property
+    def size(self) -> int:
+        """The number of ranks, ``tp * cp``."""
+        return self.tp * self.cp
+
+    def __repr__(self) -> str:
+        return f"Mesh2D(tp={self.tp}, cp={self.cp})"
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Mesh2D) and (self.tp, self.cp) == (other.tp, other.cp)
+
+    def __hash__(self) -> int:
+        return hash((Mesh2D, self.tp, self.cp))
+
+    def rank(self, tp_index: int, cp_index: int) -> int:
+        """The global rank at ``(tp_index, cp_index)``: ``cp_index * tp + tp_index``."""
+        for value, name, top in ((tp_index, "tp_index", self.tp), (cp_index, "cp_index", self.cp)):
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < top:
+                raise ValueError(f"{name} must be an int in [0, {top}), got {value!r}")
+        return cp_index * self.tp + tp_index
+
+    def coords(self, rank: int | None = None) -> tuple[int, int]:
+        """``(tp_index, cp_index)`` of ``rank``; None: this rank, asked from the running mesh
+        (torch_xla, or torch.distributed's process group), whose size must be ``size``."""
+        if rank is None:
+            from xla_permute.backend import get_backend
+
+            comm = get_backend()
+            world = comm.world_size()
+            if world != self.size:
+                raise ValueError(
+                    f"{self!r} has {self.size} ranks but this run has {world}; choose tp * cp "
+                    f"= {world}"
+                )
+            rank = comm.rank()
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
+            raise ValueError(f"rank must be an int in [0, {self.size}) for {self!r}, got {rank!r}")
+        return rank % self.tp, rank // self.tp
+
+    @property
+    def tp_groups(self) -> list[list[int]]:
+        """One group per CP index: the ranks that shard the weights among them."""
+        return [[self.rank(t, c) for t in range(self.tp)] for c in range(self.cp)]
+
+    @property
+    def cp_groups(self) -> list[list[int]]:
+        """One group per TP index: the ranks that hold the same weight shard and split the
+        sequence (ring attention's rings), in CP order."""
+        return [[self.rank(t, c) for c in range(self.cp)] for t in range(self.tp)]
+
+    def shard_sequence(self, x: torch.Tensor, *, dim: int, layout: str = "zigzag") -> torch.Tensor:
+        """Two-level sharding of ``x`` along ``dim``: ``[size, *shard_shape]``, by global rank.
+
+        Rank ``(t, c)`` holds the ``t``-th of ``tp`` contiguous pieces of CP shard ``c``
+        (:func:`~xla_permute.sequence.shard_sequence` over ``cp`` ranks in ``layout``).
+        ``x.shape[dim]`` must divide by ``cp * tp`` (contiguous) or ``2 * cp * tp`` (zigzag).
+        """
+        if not isinstance(x, torch.Tensor):
+            raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
+        check_layout(layout)
+        dim = _check_dim(dim, x.dim(), f"x of shape {tuple(x.shape)}")
+        need = self.size * (2 if layout == "zigzag" else 1)
+        if x.shape[dim] % need:
+            raise ValueError(
+                f"x.shape[{dim}] = {x.shape[dim]} is not divisible by {need} (cp * tp"
+                f"{' * 2 for the zigzag layout' if layout == 'zigzag' else ''} = {need} for "
+                f"{self!r}); pad the sequence to a multiple of {need}"
+            )
+        cp_shards = shard_sequence(x, dim=dim, n=self.cp, layout=layout)
+        pieces = [
+            shard_sequence(cp_shards[c], dim=dim, n=self.tp)[t]
+            for c in range(self.cp)
+            for t in range(self.tp)
+        ]
+        return torch.stack(pieces)
+
+    def unshard_sequence(
+        self, shards: torch.Tensor | Sequence[torch.Tensor], *, dim: int, layout: str = "zigzag"
+    ) -> torch.Tensor:
+        """Inverse of :meth:`shard_sequence`: ``shards[r]`` by global rank -> the whole ``x``
+        (``dim`` counts in a shard's dimensions)."""
+        per_rank = list(shards)
+        if len(per_rank) != self.size:
+            raise ValueError(f"{self!r} has {self.size} ranks, got {len(per_rank)} shards")
+        cp_shards = [
+            unshard_sequence(per_rank[c * self.tp : (c + 1) * self.tp], dim=dim)
+            for c in range(self.cp)
+        ]
+        return unshard_sequence(cp_shards, dim=dim, layout=layout)
+
+    def positions(self, seq_len: int, *, layout: str = "zigzag") -> list[list[int]]:
+        """The token positions each rank holds under :meth:`shard_sequence`, by global rank."""
+        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
+            raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
+        return self.shard_sequence(torch.arange(seq_len), dim=0, layout=layout).tolist()
