@@ -90,6 +90,9 @@ class CommBackend:
     name: str = "?"
     #: The device type the hardware rules apply to (:mod:`xla_permute.hardware.rules`).
     device_type: str = "CPU"
+    #: Eager (ops run as called: in-place writes are fine) or lazy (XLA: a traced program
+    #: every rank must build alike).
+    eager: bool = False
 
     def world_size(self) -> int:
         raise NotImplementedError

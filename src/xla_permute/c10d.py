@@ -62,6 +62,7 @@ def _dist() -> Any:
 
 class _C10d(CommBackend):
     name = "c10d"
+    eager = True
 
     def __init__(self) -> None:
         self._world: Any = None  # the default group the cache below belongs to
@@ -139,7 +140,8 @@ class _C10d(CommBackend):
         dist = _dist()
         rank = dist.get_rank()
         x = x.contiguous()
-        out = torch.zeros_like(x)  # no pair targets this rank: zeros
+        receives = any(t == rank for _, t in pairs)
+        out = torch.empty_like(x) if receives else torch.zeros_like(x)  # no source: zeros
         ops = []
         for source, target in pairs:
             if source == rank and target == rank:
