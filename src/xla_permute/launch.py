@@ -44,6 +44,7 @@ from typing import Any
 
 import cloudpickle
 
+from xla_permute import rank_output
 from xla_permute.debug import ENV as _DEBUG_ENV
 
 #: torch_xla's switch for donating updated parameters' buffers (off on the mesh, see
@@ -306,6 +307,9 @@ def run_on_mesh(
     :class:`~xla_permute.debug.DisagreementError` on every rank instead of returning garbage.
     Pass ``env={"XLA_PERMUTE_DEBUG": "0"}`` to time a program known to be correct.
 
+    What the ranks print (and their warnings) appears here while they run, each line
+    prefixed by its rank (``[rank 2] ...``; :mod:`xla_permute.rank_output`).
+
     Returns the per-rank return values in rank order. Tensors on an XLA device in them, in
     any container (lists, dicts, named tuples, dataclasses, ...), come back as CPU tensors
     (detached).
@@ -331,26 +335,23 @@ def run_on_mesh(
         payload_path, result_path = Path(tmp, "payload.pkl"), Path(tmp, "result.pkl")
         payload_path.write_bytes(payload)
         cmd = [sys.executable, "-c", _CHILD, str(payload_path), str(result_path)]
-        proc = subprocess.Popen(
+        with subprocess.Popen(
             cmd,
             env=environment,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
             start_new_session=True,
-        )
-        try:
-            out, err = proc.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            out, err = proc.communicate()
+        ) as proc:
+            finished, err = rank_output.relay(proc, timeout)
+            if not finished:
+                os.killpg(proc.pid, signal.SIGKILL)
+        if not finished:
             raise MeshError(
                 f"The {n}-device mesh running {name} did not finish within {timeout:g} s and "
                 f"was killed. {_MISMATCH_HINT}\n--- device process stderr (tail) ---\n"
                 f"{_tail(err)}"
             ) from None
-        if out:
-            sys.stdout.write(out)
         if not result_path.exists():
             how = (
                 f"was killed by {signal.Signals(-proc.returncode).name}"
@@ -422,6 +423,7 @@ def _run_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
     import torch_xla.runtime as xr
 
     rank = xr.global_ordinal()
+    rank_output.set_rank(rank)
     try:
         value = fn(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001 - every rank failure is reported, with its rank
@@ -437,6 +439,7 @@ def _child_main(payload_path: str, result_path: str) -> None:
     """Entry point of the device process: run the payload once on every device thread."""
     global _result_path
     _result_path = Path(result_path)
+    rank_output.install()
     try:
         fn, args, kwargs = pickle.loads(Path(payload_path).read_bytes())
         from torch_xla._internal import pjrt
@@ -451,6 +454,7 @@ def _child_main(payload_path: str, result_path: str) -> None:
         _write_result("ok", [results[r] for r in sorted(results)])
     except BaseException:  # noqa: BLE001
         _write_result("start-error", traceback.format_exc())
-    sys.stdout.flush()
+    for stream in (sys.stdout, sys.stderr):
+        stream.close_lines()
     # Skip interpreter teardown: XLA's runtime threads can crash an orderly exit.
     os._exit(0)
