@@ -281,9 +281,14 @@ class _ParallelLinear(nn.Module):
         (``weights``: how many weights of this shape share the ring)."""
         name = type(self).__name__
         if isinstance(x, torch.Tensor) and x.device != self.weight.device:
+            if self.weight.device.type == "cpu":  # the module was never moved
+                fix = f"move the module to the input's device first: {name}.to(x.device)"
+            else:  # the layer is on this rank's device: the input must join it
+                fix = f"move the input to the layer's device first: x = x.to({name}.weight.device)"
+                if self.weight.device.type == "xla":
+                    fix += " (this rank's torch_xla.device())"
             raise ValueError(
-                f"{name}.weight is on {self.weight.device} but the input is on {x.device}; "
-                f"move the module first with .to(x.device)"
+                f"{name}.weight is on {self.weight.device} but the input is on {x.device}; {fix}"
             )
         from xla_permute.backend import get_backend
 
