@@ -225,6 +225,13 @@ class _RingAttention(torch.autograd.Function):
         return dq.reshape(b, hq, s, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
+#: Appended to the shape errors that a [B, S, H, D] tensor (heads and sequence swapped) causes.
+_LAYOUT_HINT = (
+    "q, k and v are [B, H, S/N, D] (heads before the sequence); from [B, S/N, H, D] pass "
+    "q.transpose(1, 2) (and back for the output)"
+)
+
+
 def _check(
     q: object,
     k: object,
@@ -263,7 +270,7 @@ def _check(
     if hkv < 1 or hq % hkv:
         raise ValueError(
             f"{op}: q has {hq} heads and k has {hkv}; the query heads must be a multiple of "
-            f"the key/value heads (grouped-query attention)"
+            f"the key/value heads (grouped-query attention). {_LAYOUT_HINT}"
         )
     if not isinstance(causal, bool):
         raise TypeError(f"{op}: causal must be True or False, got {causal!r}")
@@ -271,7 +278,8 @@ def _check(
     if layout == "zigzag" and s % 2:
         raise ValueError(
             f"{op}: layout='zigzag' holds two equal chunks per rank, but the local sequence "
-            f"length is {s} (odd); shard with xla_permute.shard_sequence(..., layout='zigzag')"
+            f"length is {s} (odd); shard with xla_permute.shard_sequence(..., layout='zigzag'). "
+            f"{_LAYOUT_HINT}"
         )
     if scale is None:
         return (1.0 / math.sqrt(d) if d else 1.0), chosen
@@ -297,7 +305,12 @@ def ring_attention(
         q: ``[B, Hq, S/N, D]``, this rank's sequence shard (``layout``) on an XLA device.
         k, v: ``[B, Hkv, S/N, D]`` with ``Hq % Hkv == 0`` (grouped-query attention: query head
             ``h`` uses key/value head ``h // (Hq/Hkv)``, as ``scaled_dot_product_attention``
-            with ``enable_gqa=True``; K/V are not repeated in memory).
+            with ``enable_gqa=True``; K/V are not repeated in memory). Heads come *before*
+            the sequence: a ``[B, S/N, H, D]`` tensor (the layout of most projections) is
+            caught only when its shapes contradict (an odd length under ``zigzag``, heads
+            that do not divide); otherwise it runs and is wrong. Pass ``q.transpose(1, 2)``.
+            Nor can the op see which layout the shards were cut in: pass the ``layout`` that
+            :func:`~xla_permute.sequence.shard_sequence` used.
         causal: mask keys after the query's position (global positions, from ``layout``);
             fully masked blocks are skipped.
         layout: ``"contiguous"`` or ``"zigzag"`` (:func:`xla_permute.shard_sequence`); the
