@@ -215,15 +215,48 @@ def schedule_step(case: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def schedule_cases(cases: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every :func:`schedule_step` case, one sync each (the results kept until it)."""
+def _bad_step_calls() -> list[str]:
+    """``xp.pipeline_step`` calls that must raise on every rank before any collective."""
     import torch_xla
 
+    from xla_permute import make_schedule, pipeline_step
+
+    device = torch_xla.device()
+    x, t = torch.zeros(4, 2, 3, device=device), torch.zeros(4, 2, 3, device=device)
+
+    def loss(y, target):
+        return (y * target).sum()
+
+    def step(chunks=torch.relu, inputs=x, targets=t, loss_fn=loss, **kw):
+        return lambda: pipeline_step(chunks, inputs, targets, loss_fn, **kw)
+
+    bad = [
+        step(chunks=[torch.relu] * 2, schedule="interleaved", inputs=x[:3], targets=t[:3]),
+        step(chunks=[torch.relu, torch.relu]),  # two chunks need schedule="interleaved"
+        step(chunks=[torch.relu, torch.relu], schedule="interleaved", wrap=False),
+        step(schedule="zero-bubble"),
+        step(schedule=make_schedule("1f1b", 4, 8)),  # built for 8 micro-batches, not 4
+        step(chunks=lambda y: y.sum(-1)),  # changes the activation's shape
+        step(loss_fn=lambda y, target: y * target),  # not one number per micro-batch
+        step(targets=t[:3]),
+        step(inputs=x.cpu()),
+        step(chunks="relu"),
+        step(stages=3),
+    ]
+    return [_error(call) for call in bad]
+
+
+def step_cases(cases: list[dict[str, Any]], trainings: list[dict[str, Any]]) -> dict[str, Any]:
+    """The bad calls, every :func:`schedule_step` case (one program each), then every
+    :func:`train_steps` run; one launch."""
+    import torch_xla
+
+    errors = _bad_step_calls()
     out = []
     for case in cases:
         out.append(schedule_step(case))
-        torch_xla.sync()
-    return out
+        torch_xla.sync()  # one program per case: see the module docstring of test_pipeline_step
+    return {"errors": errors, "cases": out, "trainings": [train_steps(c) for c in trainings]}
 
 
 def train_steps(case: dict[str, Any]) -> dict[str, Any]:

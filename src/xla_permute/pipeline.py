@@ -200,17 +200,17 @@ def pipeline_forward(
     """
     if not callable(stage):
         raise TypeError(f"stage must be a callable x -> y, got {type(stage).__name__}")
-    check_xla_tensor(inputs, "inputs")
+    from xla_permute.backend import check_tensor
+
+    comm = check_tensor(inputs, "inputs", backend)  # XLA, or c10d in a process group
     if inputs.dim() < 1:
         raise ValueError(
             f"inputs has shape {tuple(inputs.shape)}: its leading axis counts the "
             f"micro-batches; stack them as (M, *activation_shape)"
         )
-    chosen = resolve_backend(backend)
-    import torch_xla.runtime as xr
-
-    ring = resolve_wrap(wrap, xr.device_type())
-    groups = pipeline_groups(xr.world_size(), stages)
+    chosen = comm.name
+    ring = resolve_wrap(wrap, comm.device_type)
+    groups = pipeline_groups(comm.world_size(), stages)
     n_stages = len(groups[0])
     from xla_permute import debug
 
@@ -221,11 +221,12 @@ def pipeline_forward(
         "wrap": ring,
         "backend": chosen,
     }
-    debug.check_agreement("pipeline_forward", fields, error=device_error(inputs, "inputs"))
+    error = comm.device_error(inputs, "inputs")
+    debug.check_agreement("pipeline_forward", fields, error=error, backend=comm)
     if inputs.shape[0] == 0:  # no micro-batch: nothing flows, no collective (ranks agree)
         return inputs * 0
     schedule = gpipe_schedule(n_stages, inputs.shape[0])
-    position = xr.global_ordinal() % n_stages
+    position = comm.rank() % n_stages
     shift_groups = None if len(groups) == 1 else groups
 
     # Device data, not traced constants: every rank traces the same program.
@@ -327,7 +328,11 @@ def _probe(chunks, loss_fn, x: torch.Tensor, target: torch.Tensor) -> None:
         for c, chunk in enumerate(chunks):
             y = chunk(x)
             if not isinstance(y, torch.Tensor) or y.shape != x.shape or y.dtype != x.dtype:
-                got = (tuple(y.shape), y.dtype) if isinstance(y, torch.Tensor) else type(y)
+                got = (
+                    f"shape {tuple(y.shape)} and dtype {y.dtype}"
+                    if isinstance(y, torch.Tensor)
+                    else type(y).__name__
+                )
                 raise ValueError(
                     f"chunk {c} returned {got} for an input of shape {tuple(x.shape)} and "
                     f"dtype {x.dtype}; every chunk must return its input's shape and dtype (one "

@@ -1,0 +1,140 @@
+"""xp.pipeline_step on the 4-device CPU mesh: GPipe, 1F1B and interleaved 1F1B equal one device.
+
+One mesh launch for the module (tests/ranks_pipeline.py::step_cases): the bad calls in-rank,
+then every configuration below, one step each, then several optimizer steps (SGD and AdamW)
+of GPipe and 1F1B. The model (an MLP per virtual stage, integer-valued, so every value is
+exact) and its single-device reference are in tests/pipeline_model.py. Also checked from the
+run: each rank executed exactly its schedule's work, issued the schedule's shifts, and held at
+most the schedule's peak of activations (the 1F1B memory claim, counted while running).
+
+Each case is a program of its own (one sync each), not one program for all: every rank
+traces a program of its own, the device threads compile them one after another, and XLA:CPU
+aborts a collective whose first rank waited 10 s for the last; with one program for all cases
+the ranks finished compiling up to 17 s apart on this 2-core machine.
+"""
+
+from __future__ import annotations
+
+import pytest
+import ranks_pipeline
+import torch
+from pipeline_model import example_batch, reference_step, reference_training
+
+from xla_permute import make_schedule, run_on_mesh
+
+N = 4
+
+
+def _case(schedule: str, stages: int, micro_batches: int, chunks: int = 1, **kw) -> dict:
+    inputs, targets = example_batch(micro_batches, replicas=N // stages)
+    return dict(kw, schedule=schedule, stages=stages, chunks=chunks, inputs=inputs, targets=targets)
+
+
+# p in {2, 4} (p = 2: two pipelines side by side), m in {p, 2p, odd}, v in {1, 2}
+CASES = {
+    f"{name} p={p} m={m}" + (" ring" if wrap else ""): _case(name, p, m, v, wrap=wrap)
+    for p, ms in ((4, (4, 8, 5)), (2, (2, 4, 3)))
+    for m in ms
+    for name, v, wrap in (("1f1b", 1, None), ("interleaved", 2, None))
+} | {
+    "gpipe p=4 m=5": _case("gpipe", 4, 5),
+    "1f1b p=4 m=5 ring": _case("1f1b", 4, 5, wrap=True),
+}
+TRAININGS = {
+    "gpipe sgd p=4": _case("gpipe", 4, 4, optimizer="sgd", steps=3),
+    "1f1b adamw p=2": _case("1f1b", 2, 3, optimizer="adamw", steps=3),  # 2 pipelines
+}
+ERRORS = [
+    "ValueError: micro_batches=3 is below stages=4",
+    "ValueError: chunks=2 needs schedule='interleaved'",
+    "ValueError: wrap=False asks for open-chain shifts",
+    "ValueError: schedule must be one of",
+    "ValueError: the schedule is for 4 stages, 8 micro-batches",
+    "ValueError: chunk 0 returned shape (2,) and dtype torch.float32 for an input of shape (2, 3)",
+    "ValueError: loss_fn(output, target) returned (2, 3)",
+    "ValueError: targets has 3 micro-batches and inputs 4",
+    "ValueError: inputs is on device cpu, not an XLA device",
+    "TypeError: chunks must be this rank's model chunk",
+    "ValueError: stages=3 does not divide the 4 ranks",
+]
+
+
+@pytest.fixture(scope="module")
+def mesh() -> dict:
+    out = run_on_mesh(
+        ranks_pipeline.step_cases, list(CASES.values()), list(TRAININGS.values()), n=N
+    )
+    return {
+        "errors": [r["errors"] for r in out],
+        "cases": {k: [r["cases"][i] for r in out] for i, k in enumerate(CASES)},
+        "trainings": {k: [r["trainings"][i] for r in out] for i, k in enumerate(TRAININGS)},
+    }
+
+
+def test_bad_calls_raise_on_every_rank(mesh):
+    for r in range(N):
+        assert len(mesh["errors"][r]) == len(ERRORS)
+        for expected, message in zip(ERRORS, mesh["errors"][r], strict=True):
+            assert message.startswith(expected), (r, message)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_step_equals_one_device(mesh, name):
+    case, got = CASES[name], mesh["cases"][name]
+    p, v = case["stages"], case["chunks"]
+    for replica in range(N // p):
+        ref = reference_step(case["inputs"][replica], case["targets"][replica], stages=p * v)
+        ranks = [r for r in got if r["replica"] == replica]
+        assert [r["position"] for r in ranks] == list(range(p))
+        assert torch.equal(sum(r["loss"] for r in ranks), ref["loss"])
+        assert all(not r["loss"].any() for r in ranks[:-1])  # the loss lives on the last stage
+        for r in ranks:
+            assert sorted(r["grads"]) == [c * p + r["position"] for c in range(v)]
+            for stage, grads in r["grads"].items():
+                for k, g in grads.items():
+                    assert torch.equal(g, ref["grads"][stage][k]), (replica, stage, k)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ran_the_schedule(mesh, name):
+    """What each rank executed, the shifts it issued and the activations it held, counted
+    while running, are the schedule's own."""
+    case, got = CASES[name], mesh["cases"][name]
+    p, m = case["stages"], case["inputs"].shape[1]
+    s = make_schedule(case["schedule"], p, m, case["chunks"])
+    for r in got:
+        assert r["executed"] == tuple(tick[r["position"]] for tick in s.work)
+        assert r["shifts"] == tuple(s.shifts(t) for t in range(s.ticks))
+        assert r["live"] == s.in_flight(r["position"])
+        assert max(r["live"]) == s.peak_in_flight[r["position"]]
+    idle = sum(w is None for r in got[:p] for w in r["executed"])
+    assert idle / (s.ticks * p) == pytest.approx(float(s.theory_bubble_fraction))
+
+
+def test_1f1b_holds_p_activations_where_gpipe_holds_m(mesh):
+    gpipe = mesh["cases"]["gpipe p=4 m=5"]
+    one_f_one_b = mesh["cases"]["1f1b p=4 m=5"]
+    assert [max(r["live"]) for r in gpipe] == [5, 5, 5, 5]
+    assert [max(r["live"]) for r in one_f_one_b] == [4, 3, 2, 1]
+
+
+@pytest.mark.parametrize("name", list(TRAININGS))
+def test_training_steps_equal_one_device(mesh, name):
+    case, got = TRAININGS[name], mesh["trainings"][name]
+    p = case["stages"]
+    for replica in range(N // p):
+        ref = reference_training(
+            case["inputs"][replica],
+            case["targets"][replica],
+            stages=p,
+            optimizer=case["optimizer"],
+            steps=case["steps"],
+        )
+        ranks = [r for r in got if r["replica"] == replica]
+        losses = [sum(r["losses"][s] for r in ranks) for s in range(case["steps"])]
+        assert torch.equal(losses[0], ref["losses"][0])  # the first step is exact
+        torch.testing.assert_close(losses, ref["losses"])
+        assert len({round(float(x), 3) for x in losses}) == case["steps"]  # the model moved
+        for r in ranks:
+            for k, v in r["params"][r["position"]].items():
+                torch.testing.assert_close(v, ref["params"][r["position"]][k])
