@@ -22,10 +22,16 @@ is its own ring, visited in the order the group lists its ranks (block ``j`` is 
 the group's ``j``-th rank), as ``xm.all_gather`` orders a group. ``None``: one group of all
 ranks. A group of one rank is a plain ``x @ w``.
 
-Memory: every product is written into its rows of a preallocated output (``index_copy``, rows
-computed on the device so that every rank runs the same program) as soon as it is made,
-instead of all N being joined by one concatenate at the end; XLA:CPU's buffer assignment then
-holds about three x blocks (own, worked on, in flight) plus w and the output.
+Memory (XLA:CPU's buffer assignment, x an input of the program): all-gather-matmul writes
+every product into its rows of a preallocated output (``index_copy``, rows computed on the
+device so that every rank runs the same program) as soon as it is made, instead of one
+concatenate of all N at the end: it holds about three x blocks (own, worked on, in flight)
+plus w and the output; with ``chunks=c`` each block travels as c chunks, one chunk all the way
+round before the next, and two chunks replace two of those blocks. Matmul-reduce-scatter reads
+x in row chunks no larger than the partial sum they add to, each read waiting for the data of
+the product before it (:func:`_take`): XLA:CPU, free to schedule reads of a parameter, would
+otherwise copy all N blocks of x before the first matmul. It then holds x, w, one chunk and a
+few partial sums: at most the baseline's x plus ``x @ w``.
 Empty inputs (0 rows, ``K = 0``, ``F = 0``) give the empty (or zero) result without a
 collective.
 """
@@ -141,61 +147,157 @@ def _check(
     return dim
 
 
-def _stream(block: torch.Tensor, ring: Ring, visit: Callable[[int, torch.Tensor], None]) -> None:
-    """Pass every rank's ``block`` around the ring; call ``visit(source_position, block)`` on each.
+def _zero_after(t: torch.Tensor) -> torch.Tensor:
+    """An int64 zero computed from ``t``'s last element (finite or not): added to an index,
+    it makes a read wait for ``t``. XLA folds no float ``* 0``; the last element depends on
+    the last part written (a concatenate's last chunk, a sum's newest term)."""
+    last = t.reshape(-1)[-1]
+    return (torch.where(torch.isfinite(last), last, torch.zeros_like(last)) * 0).to(torch.int64)
 
-    The permutes of a step are issued before that step's visits and carry the blocks the visits
-    use; no visit depends on a permute of its own step. They are waited for after the visits
-    (on c10d the transfer runs during them).
+
+def _take(
+    t: torch.Tensor, dim: int, count: int, index: int | torch.Tensor, after: Any = None
+) -> torch.Tensor:
+    """Piece ``index`` of ``count`` equal pieces of ``t`` along ``dim``.
+
+    ``index``: an int, or an int64 0-dim tensor on ``t``'s device (computed from this rank's
+    position, so that every rank traces one program). ``after``: a tensor the read waits for.
+    XLA:CPU drops optimisation barriers before it schedules, and schedules every slice of a
+    parameter at the start: the N row blocks of x, all alive at once. An index computed from
+    ``after``'s data is a dependency it keeps, so each piece is read (copied) only when the one
+    before it has been used.
     """
-    held = {1: block, -1: block}
-    for step in all_gather_schedule(ring.size, ring.position, ring.bidirectional):
-        in_flight = {d: ring.send(held[d], d) for d in step.sends}
-        for direction, source in zip((1, -1), step.blocks, strict=False):
-            visit(source, held[direction])
-        held.update({d: handle.wait() for d, handle in in_flight.items()})
+    size = t.shape[dim] // count
+    if isinstance(index, int) and after is None:
+        return t.narrow(dim, index * size, size)
+    if isinstance(index, int):
+        index = torch.tensor(index).to(t.device)
+    if after is not None:
+        index = index + _zero_after(after)
+    return t.unflatten(dim, (count, size)).index_select(dim, index.reshape(1)).squeeze(dim)
+
+
+def _position(ring: Ring, t: torch.Tensor) -> int | torch.Tensor:
+    """This rank's position: device data on an XLA device (one program for every rank)."""
+    if t.device.type != "xla":
+        return ring.position
+    return torch.tensor(ring.position, dtype=torch.int64).to(t.device)
+
+
+def _stream(
+    block: torch.Tensor,
+    ring: Ring,
+    visit: Callable[[int, torch.Tensor, int], None],
+    dim: int = 0,
+    chunks: int = 1,
+) -> None:
+    """Pass every rank's ``block`` around the ring; call ``visit(source_position, piece, j)``
+    on each, ``piece`` the chunk ``j`` of ``chunks`` along ``dim`` (the whole block for 1).
+
+    The chunks go round one after another: chunk ``j + 1`` is read once chunk ``j`` has
+    arrived at its last hop, so a rank holds two chunks (worked on, in flight), not two blocks.
+    The permutes of a step are issued before that step's visits and carry the pieces the
+    visits use; no visit depends on a permute of its own step. They are waited for after the
+    visits (on c10d the transfer runs during them).
+    """
+    last = None
+    for j in range(chunks):
+        xla = block.device.type == "xla"
+        piece = block if chunks == 1 else _take(block, dim, chunks, j, last if xla else None)
+        held = {1: piece, -1: piece}
+        for step in all_gather_schedule(ring.size, ring.position, ring.bidirectional):
+            in_flight = {d: ring.send(held[d], d) for d in step.sends}
+            for direction, source in zip((1, -1), step.blocks, strict=False):
+                visit(source, held[direction], j)
+            held.update({d: handle.wait() for d, handle in in_flight.items()})
+        last = held[1]
 
 
 def _ring_all_gather_matmul(
-    x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, ring: Ring
+    x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, ring: Ring, chunks: int = 1
 ) -> list[torch.Tensor]:
     n, m = ring.size, x.shape[dim]
-    outs = [x.new_zeros(*x.shape[:dim], n * m, *x.shape[dim + 1 : -1], w.shape[1]) for w in ws]
+    size = m // chunks
+    new = x.new_empty if ring.backend.eager else x.new_zeros  # eager: every row is written
+    outs = [new(*x.shape[:dim], n * m, *x.shape[dim + 1 : -1], w.shape[1]) for w in ws]
     # Each product goes straight into its rows of the output (a scatter), so that it dies after
     # its dot; a slice_scatter chain or a concatenate is fused by XLA into one op at the end,
     # which keeps all N products alive. The rows are computed on the device from this rank's
     # position (device data) and the step's offset (the same on every rank): every rank traces
     # the same program, so the ranks share one compile and none arrives late at a rendezvous.
     position = torch.tensor(ring.position, dtype=torch.int64).to(x.device)
-    rows = torch.arange(m, device=x.device)
+    rows = torch.arange(size, device=x.device)
 
-    def multiply(source: int, x_block: torch.Tensor) -> None:
+    def multiply(source: int, x_piece: torch.Tensor, j: int) -> None:
         offset = (source - ring.position) % n  # rank-independent
-        index = rows + ((position + offset) % n) * m
+        index = rows + (((position + offset) % n) * m + j * size)
         for i, w in enumerate(ws):
-            outs[i] = outs[i].index_copy(dim, index, x_block @ w)
+            if ring.backend.eager:  # c10d: rows written in place (no traced program to share)
+                start = ((ring.position + offset) % n) * m + j * size
+                outs[i].narrow(dim, start, size).copy_(x_piece @ w)
+            else:
+                outs[i] = outs[i].index_copy(dim, index, x_piece @ w)
 
-    _stream(x, ring, multiply)
+    _stream(x, ring, multiply, dim, chunks)
     return outs
 
 
+def _row_chunks(
+    x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, n: int, acc: torch.dtype
+) -> int:
+    """How many row chunks matmul-reduce-scatter reads each x block in: the fewest (a
+    divisor of the block's rows) whose chunk of x is no larger than the partial sum it adds
+    to. 1 whenever ``sum F >= K`` in equal dtypes.
+
+    >>> x = torch.zeros(4 * 1024, 4096)
+    >>> _row_chunks(x, [torch.zeros(4096, 256)], 0, 4, torch.float32)
+    16
+    """
+    m = x.shape[dim] // n
+    piece = x.shape[-1] * x.element_size()  # bytes of x per row
+    summed = sum(w.shape[1] for w in ws) * acc.itemsize  # bytes of the partial sum per row
+    return next(c for c in range(1, m + 1) if m % c == 0 and piece <= summed * c)
+
+
 def _ring_matmul_reduce_scatter(
-    x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, ring: Ring, acc: torch.dtype
+    x: torch.Tensor | Sequence[torch.Tensor],
+    ws: Sequence[torch.Tensor],
+    dim: int,
+    ring: Ring,
+    acc: torch.dtype | None,
 ) -> torch.Tensor:
-    """``ReduceScatter(sum_i x_i @ ws[i])``: with one x, ``x_i = x``; with a list, one each."""
-    xs = x if isinstance(x, (list, tuple)) else [x] * len(ws)
+    """``ReduceScatter(sum_i x_i @ ws[i])``: with one x, ``x_i = x``; with a list, one each.
+
+    Each block of x is read in :func:`_row_chunks` chunks, each read waiting (:func:`_take`) for
+    the product before it, and a step's first read for the previous step's sum: x is never
+    copied whole, and no matmul waits for a permute (the sums do).
+    """
+    xs = list(x) if isinstance(x, (list, tuple)) else [x] * len(ws)
     n = ring.size
+    acc = acc or xs[0].dtype  # None (all-gather-matmul's backward): the input's dtype
+    chunks = _row_chunks(xs[0], ws, dim, n, acc)
+    xla = xs[0].device.type == "xla"
+    position = _position(ring, xs[0])
     w_acc = [w.to(acc) for w in ws]
     received: dict[int, Handle] = {}  # the latest sums in flight to this rank, per direction
     summed: dict[int, torch.Tensor] = {}
+    last = None  # what the next read of x waits for (XLA)
     for step in reduce_scatter_schedule(n, ring.position, ring.bidirectional):
         for direction, block in zip((1, -1), step.blocks, strict=False):
-            terms = [_block(xi, block, n, dim).to(acc) @ w for xi, w in zip(xs, w_acc, strict=True)]
-            partial = terms[0]
-            for term in terms[1:]:
-                partial = partial + term
+            first = (position + (block - ring.position) % n) % n * chunks  # rank-independent
+            parts = []
+            for j in range(chunks):
+                partial = None
+                for xi, w in zip(xs, w_acc, strict=True):
+                    piece = _take(xi, dim, n * chunks, first + j, last if xla else None)
+                    term = piece.to(acc) @ w
+                    partial = term if partial is None else partial + term
+                    last = term
+                parts.append(partial)
+            partial = parts[0] if chunks == 1 else torch.cat(parts, dim)
             got = received.get(direction)
             summed[direction] = got.wait() + partial if got is not None else partial
+            last = summed[direction]
         for d in step.sends:  # carries this step's sums; overlaps the next step's matmuls
             received[d] = ring.send(summed[d], d)
     out = summed[1] + received[-1].wait() if -1 in received else summed[1]
@@ -209,20 +311,22 @@ def _stream_weight_grad(
     streamed_is_lhs: bool,
     ring: Ring,
     out_dtype: torch.dtype,
+    chunks: int = 1,
 ) -> list[torch.Tensor]:
-    """``sum_b lhs_b.T @ rhs_b`` for each of ``locals_``: one operand streamed round the ring,
-    the other local, whose block ``b`` along ``dim`` pairs with the block from position ``b``."""
+    """``sum_b lhs_b.T @ rhs_b`` for each of ``locals_``: one operand streamed round the ring
+    (in ``chunks`` chunks), the other local, whose block ``b`` along ``dim`` pairs with the
+    block from position ``b``."""
     acc_dtype = partial_sum_dtype(out_dtype)
     sums: list[torch.Tensor | None] = [None] * len(locals_)
 
-    def accumulate(source: int, held: torch.Tensor) -> None:
+    def accumulate(source: int, held: torch.Tensor, j: int) -> None:
         for i, local in enumerate(locals_):
-            mine = _block(local, source, ring.size, dim)
+            mine = _block(_block(local, source, ring.size, dim), j, chunks, dim)
             lhs, rhs = (held, mine) if streamed_is_lhs else (mine, held)
             term = _rows(lhs).to(acc_dtype).T @ _rows(rhs).to(acc_dtype)
             sums[i] = term if sums[i] is None else sums[i] + term
 
-    _stream(streamed, ring, accumulate)
+    _stream(streamed, ring, accumulate, dim, chunks)
     return [s.to(out_dtype) for s in sums]
 
 
@@ -236,22 +340,22 @@ class _RingMatmul(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, meta: tuple, x: torch.Tensor, *ws: torch.Tensor) -> Any:
-        dim, ring, gather, acc = meta
+        dim, ring, gather, acc, chunks = meta
         ctx.save_for_backward(x, *ws)
         ctx.meta = meta
         if gather:
-            return tuple(_ring_all_gather_matmul(x, ws, dim, ring))
+            return tuple(_ring_all_gather_matmul(x, ws, dim, ring, chunks))
         return _ring_matmul_reduce_scatter(x, ws, dim, ring, acc)
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx: Any, *dys: torch.Tensor):
         x, *ws = ctx.saved_tensors
-        dim, ring, gather, acc = ctx.meta
+        dim, ring, gather, acc, chunks = ctx.meta
         dys = [dy.contiguous() for dy in dys]  # an unused output's gradient comes as zeros
         if gather:
             dx = _ring_matmul_reduce_scatter(dys, [w.T for w in ws], dim, ring, acc)
-            dws = _stream_weight_grad(x, dys, dim, True, ring, ws[0].dtype)
+            dws = _stream_weight_grad(x, dys, dim, True, ring, ws[0].dtype, chunks)
         else:
             (dy,) = dys
             (dx,) = _ring_all_gather_matmul(dy, [ws[0].T], dim, ring)
@@ -282,6 +386,19 @@ def _agree(
     debug.check_agreement(op, fields, error=error, backend=ring.backend)
 
 
+def _check_chunks(chunks: object, x: torch.Tensor, dim: int) -> None:
+    """``chunks`` is a positive int that divides the rows of x's block along ``dim``."""
+    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
+        raise ValueError(f"all_gather_matmul: chunks must be a positive int, got {chunks!r}")
+    if x.shape[dim] % chunks:
+        fits = [c for c in range(2, min(x.shape[dim], 64) + 1) if x.shape[dim] % c == 0][:3]
+        raise ValueError(
+            f"all_gather_matmul: chunks={chunks} does not divide x.shape[{dim}] = "
+            f"{x.shape[dim]}, the rows of each block; use a divisor such as "
+            f"{', '.join(map(str, [1, *fits]))}"
+        )
+
+
 def _empty_or_single(x: torch.Tensor, ws: list[torch.Tensor], ring: Ring) -> bool:
     return ring.size == 1 or x.numel() == 0 or any(w.numel() == 0 for w in ws)
 
@@ -302,6 +419,7 @@ def all_gather_matmul(
     bidirectional: bool = False,
     groups: Groups = None,
     backend: Backend = "auto",
+    chunks: int = 1,
 ) -> Any:
     """``AllGather(x, dim) @ w`` without ever holding the gathered x; differentiable (once).
 
@@ -313,28 +431,34 @@ def all_gather_matmul(
         bidirectional: send blocks both ways round the ring: ``N//2 + 1`` steps instead of N.
         groups: replica groups; each is a ring in its listed order (module docstring).
         backend: permute backend, as in :func:`~xla_permute.permute.collective_permute`.
+        chunks: send each x block as this many chunks along ``dim`` (a divisor of ``m``), one
+            chunk round the whole ring before the next: a rank holds two chunks instead of two
+            blocks, for ``chunks`` times the permutes (each paying its latency;
+            :func:`xla_permute.cost.chunk_overhead`). The backward streams x in chunks too.
 
     Returns:
         ``[..., N*m, F]`` (a tuple of them for a list of weights): block ``j`` along ``dim`` is
-        ``x_j @ w`` with ``x_j`` the shard of the group's ``j``-th rank. Uses N-1 permutes of
-        one x block each and N matmuls per weight; no step's matmul waits for the permute
-        issued in its step. Backward: ``dx = ReduceScatter(sum_i dy_i @ w_i.T)`` and ``dw_i =
-        AllGather(x).T @ dy_i``, both rings. With one rank, or an empty x or w: ``x @ w``
-        repeated N times along ``dim`` (all zeros or empty), without a collective.
+        ``x_j @ w`` with ``x_j`` the shard of the group's ``j``-th rank. Uses ``chunks (N-1)``
+        permutes of one x chunk each and ``chunks N`` matmuls per weight; no step's matmul
+        waits for the permute issued in its step. Backward: ``dx = ReduceScatter(sum_i dy_i @
+        w_i.T)`` and ``dw_i = AllGather(x).T @ dy_i``, both rings. With one rank, or an empty
+        x or w: ``x @ w`` repeated N times along ``dim`` (all zeros or empty), without a
+        collective.
     """
     ws, single = _as_weights(w, "all_gather_matmul")
     x, ring_ = _ring(x, groups, backend, bidirectional)
     dim = _check(x, ws, dim, "all_gather_matmul", False, ring_.size, ring_.backend)
+    _check_chunks(chunks, x, dim)
     _agree(
         "all_gather_matmul", x, ws, dim, ring_,
-        bidirectional=bool(bidirectional), backend=ring_.backend.name,
+        bidirectional=bool(bidirectional), backend=ring_.backend.name, chunks=chunks,
     )  # fmt: skip
     n = ring_.size
     if _empty_or_single(x, ws, ring_):
         ys = tuple(torch.cat([x @ wi] * n, dim) if n > 1 else x @ wi for wi in ws)
     else:
         ring_.check(x.dtype)
-        ys = _RingMatmul.apply((dim, ring_, True, None), x, *ws)
+        ys = _RingMatmul.apply((dim, ring_, True, None, chunks), x, *ws)
     return ys[0] if single else ys
 
 
@@ -379,7 +503,7 @@ def matmul_reduce_scatter(
     if _empty_or_single(x, [w], ring_):
         return _block(x @ w, ring_.position, ring_.size, dim)
     ring_.check(acc)
-    return _RingMatmul.apply((dim, ring_, False, acc), x, w)
+    return _RingMatmul.apply((dim, ring_, False, acc, 1), x, w)
 
 
 def all_gather_then_matmul(

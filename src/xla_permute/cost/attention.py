@@ -18,11 +18,18 @@ Nothing here runs on a device. Per rank of ``N`` (sequence ``S``, ``s = S/N`` ro
   blocks with no synchronisation between them:
   ``T_ag = T_coll(V, N) + max_r sum_t (blocks of rank r)``. It holds all of K/V (``N V``
   bytes) where the ring holds two blocks.
+* **Ring backward**: every block is recomputed and differentiated, five matmuls instead of
+  two (``M'_t = 5/2 M_t``). The permute of hop t carries K/V ahead (for hop t+1) and the
+  dK/dV of hop t-1 behind, so it overlaps the blocks of hop t; hop 0 sends K/V alone, hop
+  N-1 dK/dV alone, and one more permute of ``V`` brings each dK/dV home after the last hop:
+  ``T_bwd = sum_{t<N} (max(M'_t, C_t) + L + O) + V / W + L + O`` with ``C_t = V / W`` at
+  the two ends and ``2 V / W`` between (N+1 permutes; :func:`ring_attention_backward_time`).
 * **Balance**: total work over ``N`` times the busiest rank's per hop:
   ``N / (2N - 1)`` for a causal contiguous ring, 1 for zigzag (:func:`load_balance`).
 
 Neglected: the loss of kernel efficiency on the smaller blocks (zigzag computes half-size
-blocks), the per-hop kernel launches and synchronisation beyond ``L + O``, the backward.
+blocks), the per-hop kernel launches and synchronisation beyond ``L + O``, the all-gather
+baseline's backward.
 
 >>> w = AttentionWorkload(seq_len=131072, n_devices=8)
 >>> ring, ag = ring_attention_time(CHIPS["h100"], w), all_gather_attention_time(CHIPS["h100"], w)
@@ -46,6 +53,7 @@ __all__ = [
     "attention_crossover_table",
     "load_balance",
     "published_attention_checks",
+    "ring_attention_backward_time",
     "ring_attention_time",
 ]
 
@@ -128,6 +136,25 @@ def ring_attention_time(chip: Chip, w: AttentionWorkload) -> Prediction:
     lat = (n - 1) * (chip.hop_latency + chip.collective_overhead)
     total = sum(max(m, c) for m in hops[:-1]) + lat + hops[-1]
     return Prediction("ring", total, sum(hops), (n - 1) * c, lat)
+
+
+def ring_attention_backward_time(chip: Chip, w: AttentionWorkload) -> Prediction:
+    """``T_bwd`` (module docstring): N hops, each overlapping its permute, then dK/dV home.
+
+    >>> w = AttentionWorkload(seq_len=131072, n_devices=8)
+    >>> bwd = ring_attention_backward_time(CHIPS["h100"], w)
+    >>> round(bwd.math / ring_attention_time(CHIPS["h100"], w).math, 2)
+    2.5
+    """
+    work, n = _work(w), w.n_devices
+    hops = [2.5 * _pair_time(chip, w, max(rank[t] for rank in work)) for t in range(n)]
+    if n == 1:
+        return Prediction("ring_backward", hops[0], hops[0], 0.0, 0.0)
+    v = w.kv_block_bytes / chip.neighbor_bandwidth
+    sends = [v] + [2 * v] * (n - 2) + [v]  # K/V ahead and dK/dV behind, packed
+    lat = (n + 1) * (chip.hop_latency + chip.collective_overhead)
+    total = sum(max(m, c) for m, c in zip(hops, sends, strict=True)) + v + lat
+    return Prediction("ring_backward", total, sum(hops), sum(sends) + v, lat)
 
 
 def all_gather_attention_time(chip: Chip, w: AttentionWorkload) -> Prediction:

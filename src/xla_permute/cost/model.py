@@ -41,6 +41,18 @@ links_per_neighbor`` (bytes/s, one way, towards one ring neighbour), ``L`` per-h
   Matmul-reduce-scatter is the time-reverse of this schedule (partial sums travel instead of
   x blocks), and a max-plus chain has the same total reversed, so the same formula holds with
   ``S = m n b``.
+* Chunked ring (all-gather-matmul with ``chunks = c``, :attr:`Workload.chunks`): each block
+  travels in ``c`` chunks, one chunk all the way round before the next sets out, so a rank
+  holds its input, w, the output and two chunks instead of two blocks. The rounds are the
+  same with ``M`` and ``C`` divided by ``c``, run ``c`` times (the first round of chunk ``j``
+  also finishes chunk ``j - 1``'s last compute); every permute pays ``h L + O``:
+
+  ``T_cm(c) = sum_j sum_r (max(M_{r-1} / c + [r = 1, j > 0] M_Rn / c, C_r / c) + h L + O)
+  + M_Rn / c``
+
+  Compute-bound, chunking adds ``(c - 1) Rn (h L + O)``; communication-bound, it also saves
+  up to ``(1 - 1/c) M_Rn`` of un-overlapped last compute. :func:`chunk_overhead` is the net
+  price, relative.
 * Limits: compute-bound, ``T_cm -> max(T_math, T_comm)`` with ``T_math = sum M`` and
   ``T_comm = sum C``; bidirectional halves ``T_comm`` (odd N exactly; ``N / (2 (N - 1))`` for
   even N). Collective matmul pays ``h L + O`` per round where the baseline pays ``O`` once
@@ -71,6 +83,7 @@ __all__ = [
     "baseline_time",
     "collective_matmul_time",
     "crossover",
+    "chunk_overhead",
     "crossover_table",
     "directions",
     "link_time",
@@ -95,7 +108,8 @@ class Workload:
     of matmul-reduce-scatter's partial sums (``reduce_dtype``); None: what the code sends by
     default (:attr:`partial_sum_bytes`). ``wraparound``: the ring's axis has a wraparound
     link (ignored on switched chips); None: the chip's rule for ``n_devices``
-    (:meth:`~xla_permute.cost.Chip.wraparound`).
+    (:meth:`~xla_permute.cost.Chip.wraparound`). ``chunks``: all-gather-matmul's ``chunks``
+    option, each block sent in that many chunks (1 for matmul-reduce-scatter).
     """
 
     m: float
@@ -106,6 +120,7 @@ class Workload:
     op: Op = "all_gather_matmul"
     wraparound: bool | None = None
     reduce_dtype_bytes: float | None = None
+    chunks: int = 1
 
     def __post_init__(self) -> None:
         for name in ("m", "k", "n", "dtype_bytes"):
@@ -120,6 +135,13 @@ class Workload:
             raise ValueError(f"Workload: op must be one of {_OPS}, got {self.op!r}")
         if self.reduce_dtype_bytes is not None:
             partial_sum_bytes(self.dtype_bytes, self.reduce_dtype_bytes)  # checks it
+        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
+            raise ValueError(f"Workload: chunks must be a positive int, got {self.chunks!r}")
+        if self.chunks > 1 and self.op != "all_gather_matmul":
+            raise ValueError(
+                f"Workload: chunks={self.chunks} is an option of all_gather_matmul only; use "
+                "chunks=1 for matmul_reduce_scatter"
+            )
 
     @property
     def partial_sum_bytes(self) -> float:
@@ -258,10 +280,36 @@ def predict(
     transfers = [one if (b == 1 or d == 2) else 2 * one for b in blocks]
     computes = [step] + [b * step for b in blocks]
     hops = 1 if (work.wraps(chip) or chip.switched) else N - 1
-    lat = len(blocks) * (hops * chip.hop_latency + chip.collective_overhead)
-    total = sum(max(c, t) for c, t in zip(computes[:-1], transfers, strict=True))
-    total += lat + computes[-1]
+    c = work.chunks  # c rings of chunks, one after the other: c times the permutes
+    lat = c * len(blocks) * (hops * chip.hop_latency + chip.collective_overhead)
+    total = lat + computes[-1] / c
+    for j in range(c):  # ring j's first round also finishes ring j-1's last compute
+        carried = [computes[-1] / c if j else 0.0] + [0.0] * (len(blocks) - 1)
+        total += sum(
+            max(m / c + extra, t / c)
+            for m, t, extra in zip(computes[:-1], transfers, carried, strict=True)
+        )
     return Prediction(method, total, sum(computes), sum(transfers), lat)
+
+
+def chunk_overhead(
+    chip: Chip, work: Workload, chunks: int, *, bidirectional: bool = False
+) -> float:
+    """Relative price of sending each block in ``chunks`` chunks: ``T_cm(c) / T_cm(1) - 1``.
+
+    Positive when the added latency ``(c - 1) Rn (h L + O)`` outweighs the shorter last
+    compute; chunking buys memory (two chunks in flight and worked on instead of two blocks),
+    and this is what it costs in time on ``chip``.
+
+    >>> w = Workload(m=4096, k=8192, n=4096, n_devices=8)
+    >>> 0 < chunk_overhead(CHIPS["tpu-v5e"], w, 4) < 0.05
+    True
+    """
+    from dataclasses import replace
+
+    method = "bi" if bidirectional else "uni"
+    one = predict(chip, replace(work, chunks=1), method).total
+    return predict(chip, replace(work, chunks=chunks), method).total / one - 1
 
 
 def baseline_time(chip: Chip, work: Workload, *, efficiency: float | None = None) -> float:
