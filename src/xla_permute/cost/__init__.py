@@ -1,13 +1,14 @@
 """Roofline cost model: when does collective matmul pay, per chip?
 
-Nothing here runs on a device: it is arithmetic on published chip figures. Three parts:
+Nothing here runs on a device: it is arithmetic on published chip figures. Four parts:
 
 * :mod:`xla_permute.cost.chips`: :class:`Chip` and the ``CHIPS`` table, every figure
   with its citation;
 * :mod:`xla_permute.cost.model`: the formulas (:func:`matmul_time`, :func:`link_time`,
   :func:`ring_collective_time`, :func:`predict`, :func:`speedup`, :func:`crossover`, ...), in
   its module docstring;
-* :mod:`xla_permute.cost.validation`: the model next to published measurements.
+* :mod:`xla_permute.cost.validation`: the model next to published measurements;
+* :mod:`xla_permute.cost.pipeline`: the step time of a pipeline schedule.
 
 Every public name is reached from here: ``xp.cost.predict(xp.cost.CHIPS["tpu-v5p"], work)``.
 
@@ -35,6 +36,13 @@ from xla_permute.cost.model import (
     ring_collective_time,
     speedup,
 )
+from xla_permute.cost.pipeline import (
+    TORCHTITAN_405B,
+    PipelinePrediction,
+    predict_pipeline,
+    step_time,
+    torchtitan_comparison,
+)
 from xla_permute.cost.validation import (
     ValidationRow,
     format_validation_table,
@@ -44,7 +52,9 @@ from xla_permute.cost.validation import (
 
 __all__ = [
     "CHIPS",
+    "TORCHTITAN_405B",
     "Chip",
+    "PipelinePrediction",
     "Prediction",
     "ValidationRow",
     "Workload",
@@ -59,8 +69,11 @@ __all__ = [
     "matmul_time",
     "partial_sum_bytes",
     "predict",
+    "predict_pipeline",
     "ring_collective_time",
     "scaling_book_chip_check",
     "speedup",
+    "step_time",
+    "torchtitan_comparison",
     "validation_table",
 ]

@@ -1,0 +1,190 @@
+"""Step time of a pipeline schedule per chip, from the schedule's own data.
+
+The schedule (:mod:`xla_permute.pipeline_schedule`) says which work each rank runs in which
+order; this module gives each unit a duration and plays it out. A forward of one micro-batch on
+one chunk takes ``t_forward / v`` (``t_forward``: a whole stage of ``1/p`` of the model),
+a backward ``backward_ratio`` times that (2 for a transformer without recomputation), and
+every hand-off between ranks ``t_shift``. Two ways to play it out:
+
+* ``lockstep=False``, point-to-point (send/recv, ``torch.distributed``): a rank starts its
+  next unit as soon as it is free and its input has arrived::
+
+      start(u) = max(end(previous unit on this rank), end(input unit) + t_shift)
+
+* ``lockstep=True``, stage shifts (one collective per direction per tick, every rank
+  taking part): a tick ends when its slowest unit ends and its shifts are done::
+
+      tick time = max over ranks of the unit's time + t_shift * (shifts after the tick)
+
+The step time per chip is the time until the last unit ends; tokens per second per chip are
+proportional to ``micro_batches / step_time``. Memory: the peak number of stage-sized
+activations a rank holds, ``max(schedule.peak_in_flight) / v``.
+
+Not modelled: weights, gradients and optimizer state (the same for every schedule), the loss
+head's size, recomputation, overlap of a shift with the next unit's compute.
+
+>>> from xla_permute.pipeline_schedule import make_schedule
+>>> s = make_schedule("1f1b", 4, 8)
+>>> step_time(s, t_forward=1.0, backward_ratio=1.0) == s.ticks  # unit ticks, no shift cost
+True
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from xla_permute.pipeline_schedule import PipelineSchedule, make_schedule
+
+__all__ = [
+    "PipelinePrediction",
+    "TORCHTITAN_405B",
+    "predict_pipeline",
+    "step_time",
+    "torchtitan_comparison",
+]
+
+
+def _unit(schedule: PipelineSchedule, kind: str, t_forward: float, ratio: float) -> float:
+    chunk = t_forward / schedule.chunks
+    return chunk if kind == "F" else chunk * ratio
+
+
+def step_time(
+    schedule: PipelineSchedule,
+    *,
+    t_forward: float,
+    backward_ratio: float = 2.0,
+    t_shift: float = 0.0,
+    lockstep: bool = False,
+) -> float:
+    """The time of one step of ``schedule`` (see the module docstring for the two models).
+
+    ``t_forward``: the forward of one micro-batch through one whole stage (all of a rank's
+    chunks); ``backward_ratio``: backward / forward time; ``t_shift``: one hand-off.
+    """
+    if t_forward < 0 or backward_ratio < 0 or t_shift < 0:
+        raise ValueError("t_forward, backward_ratio and t_shift must be >= 0")
+    p, last = schedule.stages, schedule.virtual_stages - 1
+    if lockstep:
+        total = 0.0
+        for t, tick in enumerate(schedule.work):
+            busy = [_unit(schedule, w.kind, t_forward, backward_ratio) for w in tick if w]
+            total += max(busy, default=0.0) + t_shift * len(schedule.shifts(t))
+        return total
+    end: dict[tuple[str, int, int], float] = {}
+    free = [0.0] * p
+    for tick in schedule.work:  # ticks order the units so that every input comes first
+        for r, w in enumerate(tick):
+            if w is None:
+                continue
+            k = schedule.virtual_stage(r, w.chunk)
+            if w.kind == "F":
+                ready = 0.0 if k == 0 else end["F", w.micro_batch, k - 1] + t_shift
+            elif k == last:
+                ready = end["F", w.micro_batch, k]
+            else:
+                ready = end["B", w.micro_batch, k + 1] + t_shift
+            start = max(free[r], ready)
+            free[r] = start + _unit(schedule, w.kind, t_forward, backward_ratio)
+            end[w.kind, w.micro_batch, k] = free[r]
+    return max(free)
+
+
+@dataclass(frozen=True)
+class PipelinePrediction:
+    """One schedule's predicted step: ``step_time`` (same unit as ``t_forward``), the
+    ``ideal`` time without bubble (``m (1 + backward_ratio) t_forward``), ``efficiency``
+    (ideal / step), the ``bubble_fraction`` counted from the schedule's ticks and the peak
+    ``activations`` a rank holds, in stage-sized activations."""
+
+    name: str
+    stages: int
+    micro_batches: int
+    chunks: int
+    step_time: float
+    ideal: float
+    bubble_fraction: float
+    activations: float
+
+    @property
+    def efficiency(self) -> float:
+        return self.ideal / self.step_time
+
+    def throughput_ratio(self, other: PipelinePrediction) -> float:
+        """Tokens per second per chip of this schedule over ``other``'s (same micro-batches)."""
+        return (other.step_time / other.micro_batches) / (self.step_time / self.micro_batches)
+
+
+def predict_pipeline(
+    name: str,
+    stages: int,
+    micro_batches: int,
+    chunks: int = 1,
+    *,
+    t_forward: float = 1.0,
+    backward_ratio: float = 2.0,
+    t_shift: float = 0.0,
+    lockstep: bool = False,
+) -> PipelinePrediction:
+    """:func:`step_time` and the memory of the schedule ``name`` (see
+    :func:`xla_permute.pipeline_schedule.make_schedule`).
+
+    >>> one = predict_pipeline("1f1b", 8, 32)
+    >>> two = predict_pipeline("interleaved", 8, 32, 2)
+    >>> round(two.throughput_ratio(one), 3), one.activations, two.activations
+    (1.099, 8.0, 11.5)
+    """
+    s = make_schedule(name, stages, micro_batches, chunks)  # type: ignore[arg-type]
+    time = step_time(
+        s,
+        t_forward=t_forward,
+        backward_ratio=backward_ratio,
+        t_shift=t_shift,
+        lockstep=lockstep,
+    )
+    return PipelinePrediction(
+        name=name,
+        stages=stages,
+        micro_batches=micro_batches,
+        chunks=chunks,
+        step_time=time,
+        ideal=micro_batches * (1 + backward_ratio) * t_forward,
+        bubble_fraction=s.bubble_fraction,
+        activations=max(s.peak_in_flight) / chunks,
+    )
+
+
+#: torchtitan's published Llama 3.1 405B runs on 512 H100 (FSDP 8, TP 8, PP 8, local batch
+#: size 32, full activation checkpointing), Table 5 of
+#: https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md
+#: (memory: the maximum over all GPUs).
+TORCHTITAN_405B = {
+    "1f1b": {"tokens_per_s_per_gpu": 100.0, "memory_gib": 82.5},
+    "interleaved": {"tokens_per_s_per_gpu": 128.0, "memory_gib": 72.7},
+}
+
+
+def torchtitan_comparison(micro_batches: int = 32, chunks: int = 2) -> dict[str, float]:
+    """The model's 1F1B -> interleaved ratios at torchtitan's PP 8 beside the published ones.
+
+    Assumed (the table does not say): ``micro_batches`` micro-batches per step (local batch
+    32 in micro-batches of 1) and ``chunks`` chunks per rank; no shift cost. Returns the
+    predicted and published throughput ratios and activation-memory / total-memory ratios.
+
+    >>> c = torchtitan_comparison()
+    >>> c["published_throughput"], round(c["predicted_throughput"], 3)
+    (1.28, 1.099)
+    """
+    one = predict_pipeline("1f1b", 8, micro_batches)
+    inter = predict_pipeline("interleaved", 8, micro_batches, chunks)
+    published = TORCHTITAN_405B
+    return {
+        "predicted_throughput": inter.throughput_ratio(one),
+        "published_throughput": (
+            published["interleaved"]["tokens_per_s_per_gpu"]
+            / published["1f1b"]["tokens_per_s_per_gpu"]
+        ),
+        "predicted_activations": inter.activations / one.activations,
+        "published_memory": published["interleaved"]["memory_gib"]
+        / published["1f1b"]["memory_gib"],
+    }
