@@ -141,6 +141,33 @@ for _offset, _wrap in [(1, False), (-1, False), (1, True)]:
 _shift_case(1, False, grouped=True)
 
 
+def _pipeline_case(stages: int | None):
+    @case(f"pipeline_forward stages={stages}", min_n=2 if stages is None else 4)
+    def _():
+        def inputs(n):
+            return {"x": ints(n, 3, 2, 3, seed=15)}  # 3 micro-batches of [2, 3]
+
+        def op(m, r, n):
+            position = r % (stages or n)
+            return (xp.pipeline_forward(lambda x: x * (position + 2) + 1, m["x"],
+                                        stages=stages),)  # fmt: skip
+
+        def chain(x):  # rank-stacked: the last stage gets every stage applied to x[0]
+            y = x[0]
+            for position in range(x.shape[0]):
+                y = y * (position + 2) + 1
+            return torch.stack([x[r] * 0 for r in range(x.shape[0] - 1)] + [y])
+
+        def ref_(s, n):
+            return (per_group(chain, [[0, 1], [2, 3]], s["x"]) if stages else chain(s["x"]),)
+
+        return inputs, op, ref_
+
+
+_pipeline_case(None)
+_pipeline_case(2)
+
+
 # --- all_gather, reduce_scatter, sum_gradients ----------------------------------------------
 
 

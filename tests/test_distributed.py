@@ -1,7 +1,8 @@
 """Every op on torch.distributed: real processes (torchrun), gloo, CPU tensors, the c10d backend.
 
 One launch per world size (2 and 4 processes) runs every case of tests/dist_cases.py on every
-rank: collective_permute (sync and ``async_op``), stage_shift, all_gather, reduce_scatter,
+rank: collective_permute (sync and ``async_op``), stage_shift, pipeline_forward (one
+pipeline, and two side by side at N=4), all_gather, reduce_scatter,
 sum_gradients, both collective matmuls (uni/bi, several weights, ``reduce_dtype``, groups
 listed out of order) and their baselines, ring attention (causal, zigzag, grouped-query,
 groups) and its all-gather baseline, the four layers (one SGD step each; GatedMLP three), and
