@@ -35,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xla_permute.permute import Backend, check_xla_tensor, device_error, resolve_backend
+from xla_permute.permute import Backend
 from xla_permute.pipeline_schedule import PipelineSchedule, Work, make_schedule
 from xla_permute.shift import resolve_wrap, stage_shift
 
@@ -285,31 +285,6 @@ class PipelineStep:
         return sum(w is None for w in self.executed)
 
 
-def _place(inputs: torch.Tensor, backend: str) -> tuple[int, int, str, str]:
-    """``(world size, rank, device type, backend)`` for a step on ``inputs``."""
-    if not isinstance(inputs, torch.Tensor):
-        raise TypeError(f"inputs must be a tensor, got {type(inputs).__name__}")
-    import torch.distributed as dist
-
-    if backend == "c10d" or (
-        backend == "auto"
-        and inputs.device.type != "xla"
-        and dist.is_available()
-        and dist.is_initialized()
-    ):
-        if not (dist.is_available() and dist.is_initialized()):
-            raise ValueError(
-                "backend='c10d' needs torch.distributed: call "
-                "torch.distributed.init_process_group first (e.g. under torchrun)"
-            )
-        return dist.get_world_size(), dist.get_rank(), "CPU", "c10d"
-    check_xla_tensor(inputs, "inputs")
-    import torch_xla.runtime as xr
-
-    device_type = xr.device_type()
-    return xr.world_size(), xr.global_ordinal(), device_type, resolve_backend(backend, device_type)
-
-
 def _check_chunks(chunks: object) -> list[Callable[[torch.Tensor], torch.Tensor]]:
     listed = [chunks] if callable(chunks) else chunks
     if not isinstance(listed, (list, tuple)) or not listed or not all(map(callable, listed)):
@@ -406,7 +381,10 @@ def pipeline_step(
     chunk_fns = _check_chunks(chunks)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
-    world, rank, device_type, chosen = _place(inputs, backend)
+    from xla_permute.backend import check_tensor
+
+    comm = check_tensor(inputs, "inputs", backend)  # XLA, or c10d in a process group
+    world, rank, device_type, chosen = comm.world_size(), comm.rank(), comm.device_type, comm.name
     if inputs.dim() < 1:
         raise ValueError(
             f"inputs has shape {tuple(inputs.shape)}: its leading axis counts the "
@@ -445,26 +423,26 @@ def pipeline_step(
     ring = True if needs_ring and wrap is None else resolve_wrap(wrap, device_type)
     if m > 0:
         _probe(chunk_fns, loss_fn, torch.zeros_like(inputs[0]), targets[0])
-    if chosen != "c10d":
-        from xla_permute import debug
+    from xla_permute import debug
 
-        fields = {
-            "inputs.shape": tuple(inputs.shape),
-            "inputs.dtype": str(inputs.dtype),
-            "targets.shape": tuple(targets.shape),
-            "stages": p,
-            "chunks": v,
-            "schedule": plan.name if plan else str(schedule),
-            "wrap": ring,
-            "backend": chosen,
-        }
-        debug.check_agreement("pipeline_step", fields, error=device_error(inputs, "inputs"))
+    fields = {
+        "inputs.shape": tuple(inputs.shape),
+        "inputs.dtype": str(inputs.dtype),
+        "targets.shape": tuple(targets.shape),
+        "stages": p,
+        "chunks": v,
+        "schedule": plan.name if plan else str(schedule),
+        "wrap": ring,
+        "backend": chosen,
+    }
+    error = comm.device_error(inputs, "inputs")
+    debug.check_agreement("pipeline_step", fields, error=error, backend=comm)
     if plan is None:  # no micro-batch: nothing flows, no collective (ranks agree)
         return PipelineStep(inputs.new_zeros(()), None, (), (), ())
-    return _run(plan, chunk_fns, inputs, targets, loss_fn, position, groups, ring, chosen)
+    return _run(plan, chunk_fns, inputs, targets, loss_fn, position, groups, ring, comm)
 
 
-def _run(plan, chunks, inputs, targets, loss_fn, position, groups, ring, backend) -> PipelineStep:
+def _run(plan, chunks, inputs, targets, loss_fn, position, groups, ring, comm) -> PipelineStep:
     """The tick loop of :func:`pipeline_step`, after every check."""
     from xla_permute.debug import debug_mode
 
@@ -507,7 +485,7 @@ def _run(plan, chunks, inputs, targets, loss_fn, position, groups, ring, backend
             received = plan.receives(t, position)
             for offset in shifts:
                 got = stage_shift(
-                    out[offset], offset=offset, wrap=ring, groups=shift_groups, backend=backend
+                    out[offset], offset=offset, wrap=ring, groups=shift_groups, backend=comm.name
                 )
                 s = received.get(offset)
                 if s is None:
@@ -515,10 +493,8 @@ def _run(plan, chunks, inputs, targets, loss_fn, position, groups, ring, backend
                 else:
                     arrived[(offset, s.micro_batch, s.chunk)] = got
     loss = torch.stack(losses).sum() if losses else inputs.new_zeros(())
-    if unused and backend != "c10d":
+    if unused:
         # Keep the collectives whose results this rank does not use in its program (a lazy
         # graph drops what nothing depends on, and the other ranks would wait for them).
-        import torch_xla.core.xla_model as xm
-
-        xm.optimization_barrier_([loss, *unused])
+        comm.keep([loss, *unused])
     return PipelineStep(loss, plan, tuple(executed), tuple(live), tuple(issued))
