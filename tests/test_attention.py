@@ -223,6 +223,14 @@ def _native_hlo(shape, dev):
         entry["backward_operands"] = [
             both.instructions[c.name].operand_types for c in both.collectives()
         ]
+        # hop i's dots: those the permute starting hop i+1 needs and hop i's does not
+        bwd = [c.name for c in both.collectives()][n - 1 :]
+        dots = [d.name for d in both.ops("dot")]
+        feeds = [{d for d in dots if both.depends_on(p, d)} for p in bwd]
+        hops = [feeds[i + 1] - feeds[i] for i in range(len(bwd) - 1)]
+        entry["backward_hops"] = [
+            (len(h), sum(both.depends_on(d, bwd[i]) for d in h)) for i, h in enumerate(hops)
+        ]
         entry["backward_kinds"] = sorted({c.kind for c in both.collectives()})
         res[(causal, layout)] = entry
     q = torch.ones(b, hq, s, d, device=dev)
@@ -319,10 +327,17 @@ def test_native_hlo_is_a_ring_of_kv_permutes(mesh_run):
             # hop t's permute is in flight while hops 0..t compute: 2 dots per block
             assert h["independent"] == [2 * sum(h["blocks"][: t + 1]) for t in range(n - 1)]
             assert h["dots"] == 2 * sum(h["blocks"])
-            # backward program: the forward's N-1, then N-1 of [k, v, dk, dv] and 1 home of [dk, dv]
+            # backward program: the forward's N-1, then K/V alone, N-2 of [k, v, dk, dv] (K/V
+            # ahead, dK/dV one hop behind), dK/dV alone, and dK/dV home
             ops = [o[0].split("{")[0] for o in h["backward_operands"]]
             bwd = f"f32[4,{b},{hkv},{s},{d}]"
             assert h["backward_kinds"] == (["collective-permute"] if n > 1 else [])
-            assert ops == [kv_type] * (n - 1) + [bwd] * (n - 1) + [kv_type] * (n > 1), key
+            want = [kv_type] * (n - 1) + ([kv_type] + [bwd] * (n - 2) + [kv_type] * 2) * (n > 1)
+            assert ops == want, key
+            # every backward hop's dots are independent of the permute that starts the hop
+            assert len(h["backward_hops"]) == (n if n > 1 else 0), key
+            assert all(dependent == 0 for _, dependent in h["backward_hops"]), (key, h)
+            if key == (False, "contiguous"):  # no hop skipped: N hops overlap their permute
+                assert all(count > 0 for count, _ in h["backward_hops"]), h
         g = rank["hlo"]["gather"]
         assert g["kinds"] == ["all-gather"] and g["independent"] == [0]

@@ -22,10 +22,13 @@ rounded once at the end): ``l' = logaddexp(l, l_b)``, ``o' = o e^(l-l') + o_b e^
 Backward (its own ring, flash-attention style): saved are q, k, v, out and lse, O(S/N) per
 rank. Each block's probabilities are recomputed as ``p = exp(s - lse)``; with
 ``delta = rowsum(dout * out)``: ``dv += p^T dout``, ``ds = p (dout v^T - delta)``,
-``dq += scale ds k``, ``dk += scale ds^T q``. dQ stays local; the dK/dV accumulators travel
-in one tensor with K and V (``[k, v, dk, dv]``, float32 for half inputs) and after N-1 hops
-sit one rank short of their owner: one more permute (of ``[dk, dv]`` only) brings them home.
-So the backward issues N permutes, the forward N-1.
+``dq += scale ds k``, ``dk += scale ds^T q``. dQ stays local; the dK/dV of a K/V block
+travel one hop behind it, packed with it in one tensor (``[k, v, dk, dv]``, float32 for half
+inputs): the permute that starts hop i carries K/V ahead for hop i+1 and the dK/dV of hop
+i-1's block (the sum from the ranks before, plus this rank's share), so it waits for no
+block of hop i, and every hop's compute overlaps its permute, as in the forward. Hop 0 sends
+K/V alone, hop N-1 dK/dV alone, and one more permute of ``[dk, dv]`` brings them home: the
+backward issues N+1 permutes (the bytes of N: K/V N-1 times, dK/dV N times), the forward N-1.
 
 Causal: blocks fully above the diagonal are skipped, not computed and discarded. Which
 blocks a rank computes at each hop is :func:`ring_attention_schedule`, pure Python. The
@@ -166,36 +169,78 @@ def _ring_backward(
     dout: torch.Tensor,
     plan: _Plan,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All in acc dtype, grouped: ``q, out, dout [B, Hkv, G, S/N, D]`` -> dq, dk, dv."""
+    """All in acc dtype, grouped: ``q, out, dout [B, Hkv, G, S/N, D]`` -> dq, dk, dv.
+
+    Hop ``i`` starts one permute before its blocks: K/V ahead (for hop i+1) packed with the
+    dK/dV of the block of hop i-1 behind (what arrived from the rank before, plus this rank's
+    share, computed at hop i-1), so no hop's blocks wait for its permute. Hop 0 sends K/V
+    alone, hop N-1 dK/dV alone; a last permute brings each dK/dV home: N+1 in all.
+    """
+    n = plan.n
     own = plan.chunks(plan.rank)
     size = q.shape[3] // len(own)
     delta = (dout * out).sum(-1)  # [B, Hkv, G, S/N]
     dq: list[Any] = [None] * len(own)
-    kvd = torch.stack([k, v, torch.zeros_like(k), torch.zeros_like(v)])
+    kv = torch.stack([k, v])
+    arrived = None  # dK/dV of the block held one hop back, summed over the ranks before this
+    mine = None  # this rank's dK/dV of that block (None: it computed none of it)
     for hop in plan.schedule:
-        theirs = plan.chunks(hop.source)
-        kk, vv = kvd[0], kvd[1]
-        dk, dv = list(kvd[2].split(size, 2)), list(kvd[3].split(size, 2))
-        for block in hop.blocks:
-            qs, ks = _span(block.q_chunks, own, size), _span(block.k_chunks, theirs, size)
-            q_b, do_b = q[:, :, :, qs], dout[:, :, :, qs]
-            s = _scores(q_b, kk[:, :, ks], plan.scale, block.causal)
-            p = torch.exp(s - lse[:, :, :, qs, None])
-            ds = (
-                p
-                * (_scores(do_b, vv[:, :, ks], 1.0, False) - delta[:, :, :, qs, None])
-                * plan.scale
-            )
-            first_k = theirs.index(block.k_chunks[0])
-            _add(dv, first_k, _cols(p, do_b), size, 2)
-            _add(dk, first_k, _cols(ds, q_b), size, 2)
-            _add(dq, own.index(block.q_chunks[0]), _rows(ds, kk[:, :, ks]), size, 3)
-        kvd = torch.stack([kk, vv, torch.cat(dk, 2), torch.cat(dv, 2)])
-        if hop.hop < plan.n - 1:
-            kvd = plan.send(kvd).wait()  # carries this hop's dK/dV: waits for its blocks
-    dkv = plan.send(kvd[2:]).wait() if plan.n > 1 else kvd[2:]  # the N-th: home to the owner
+        i = hop.hop
+        if n > 1:  # K/V ahead, dK/dV behind: ready before this hop's blocks
+            behind = [_plus(arrived, mine, kv)] if i > 0 else []
+            ahead = [kv] if i < n - 1 else []
+            sent = plan.send(torch.cat(ahead + behind) if i and i < n - 1 else (ahead + behind)[0])
+        mine = _block_grads(q, kv, lse, dout, delta, dq, own, hop, size, plan)
+        if n > 1:
+            received = sent.wait()
+            kv, arrived = (received[:2], received[2:] if i else None) if i < n - 1 else (
+                kv, received)  # fmt: skip
+    home = _plus(arrived, mine, kv)
+    dkv = plan.send(home).wait() if n > 1 else home  # the last permute: home to the owner
     grad_q = torch.cat([torch.zeros_like(q[:, :, :, :size]) if d is None else d for d in dq], 3)
+    _keep(plan, [grad_q, dkv, kv])  # a last K/V no block used stays in the program
     return grad_q, dkv[0], dkv[1]
+
+
+def _plus(a: torch.Tensor | None, b: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    """``a + b`` where None is nothing (zeros like ``like`` if both are None)."""
+    if a is None and b is None:
+        return torch.zeros_like(like)
+    return b if a is None else a if b is None else a + b
+
+
+def _block_grads(
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    delta: torch.Tensor,
+    dq: list[Any],
+    own: tuple[int, ...],
+    hop: AttentionHop,
+    size: int,
+    plan: _Plan,
+) -> torch.Tensor | None:
+    """This rank's ``[dk, dv]`` of the K/V block ``kv`` it holds at ``hop`` (None: no block
+    there), and its dQ added into ``dq``."""
+    if not hop.blocks:
+        return None
+    theirs = plan.chunks(hop.source)
+    kk, vv = kv[0], kv[1]
+    dk: list[Any] = [None] * len(theirs)
+    dv: list[Any] = [None] * len(theirs)
+    for block in hop.blocks:
+        qs, ks = _span(block.q_chunks, own, size), _span(block.k_chunks, theirs, size)
+        q_b, do_b = q[:, :, :, qs], dout[:, :, :, qs]
+        s = _scores(q_b, kk[:, :, ks], plan.scale, block.causal)
+        p = torch.exp(s - lse[:, :, :, qs, None])
+        ds = p * (_scores(do_b, vv[:, :, ks], 1.0, False) - delta[:, :, :, qs, None]) * plan.scale
+        first_k = theirs.index(block.k_chunks[0])
+        _add(dv, first_k, _cols(p, do_b), size, 2)
+        _add(dk, first_k, _cols(ds, q_b), size, 2)
+        _add(dq, own.index(block.q_chunks[0]), _rows(ds, kk[:, :, ks]), size, 3)
+    zero = torch.zeros_like(kk[:, :, :size])
+    return torch.stack([torch.cat([zero if t is None else t for t in d], 2) for d in (dk, dv)])
 
 
 class _RingAttention(torch.autograd.Function):
@@ -324,7 +369,8 @@ def ring_attention(
         ``[B, Hq, S/N, D]``: ``softmax(q K^T * scale + mask) V`` over the whole sequence, in
         the input dtype (merged in float32 for half inputs, rounded once). Differentiable:
         the backward is a ring of its own (module docstring). Collectives: N-1 permutes of
-        ``[2, B, Hkv, S/N, D]`` forward; N permutes backward. Empty inputs issue none.
+        ``[2, B, Hkv, S/N, D]`` forward; N+1 backward, each hop's overlapping its blocks.
+        Empty inputs issue none.
 
     Raises:
         TypeError, ValueError: bad tensors, dtypes, shapes, ``causal``, ``layout``,

@@ -1,7 +1,7 @@
 """``python -m xla_permute bench --attention``: ring attention vs all-gather K/V, measured.
 
 Causal attention over a long sequence split over N ranks (zigzag layout), forward and
-forward+backward, as :func:`xla_permute.ring_attention` (N-1 permutes forward, N backward)
+forward+backward, as :func:`xla_permute.ring_attention` (N-1 permutes forward, N+1 backward)
 and as :func:`xla_permute.all_gather_attention` (one all-gather of K and V). Per rank:
 ``q [B, Hq, S/N, D]``, ``k, v [B, Hkv, S/N, D]``, float32, inputs are program parameters.
 
