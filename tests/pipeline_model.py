@@ -191,3 +191,56 @@ def reference_training(
         opt.zero_grad()
         losses.append(loss.detach())
     return {"losses": losses, "params": [{k: v.detach() for k, v in p.items()} for p in params]}
+
+
+def step_problems(case: dict[str, Any], got: Sequence[dict[str, Any]]) -> list[str]:
+    """Compare the per-rank results of one ``ranks_pipeline.schedule_step`` case with
+    :func:`reference_step` of every pipeline (replica), exactly. Empty: equal."""
+    p, v, n = case["stages"], case["chunks"], len(got)
+    problems = []
+    for replica in range(n // p):
+        ref = reference_step(case["inputs"][replica], case["targets"][replica], stages=p * v)
+        ranks = [r for r in got if r["replica"] == replica]
+        if [r["position"] for r in ranks] != list(range(p)):
+            problems.append(f"replica {replica}: positions {[r['position'] for r in ranks]}")
+        loss = sum(r["loss"] for r in ranks)
+        if not torch.equal(loss, ref["loss"]):
+            problems.append(f"replica {replica}: loss {float(loss)} != {float(ref['loss'])}")
+        if any(r["loss"].any() for r in ranks[:-1]):
+            problems.append(f"replica {replica}: a loss away from the last stage")
+        for r in ranks:
+            if sorted(r["grads"]) != [c * p + r["position"] for c in range(v)]:
+                problems.append(f"replica {replica}: chunks {sorted(r['grads'])}")
+            for stage, grads in r["grads"].items():
+                for k, g in grads.items():
+                    if not torch.equal(g, ref["grads"][stage][k]):
+                        problems.append(f"replica {replica}, stage {stage}: grad of {k}")
+    return problems
+
+
+def training_problems(case: dict[str, Any], got: Sequence[dict[str, Any]]) -> list[str]:
+    """Compare ``ranks_pipeline.train_steps`` results with :func:`reference_training`: the
+    first step's loss exactly, later losses and the final parameters to float32 rounding."""
+    p, steps, problems = case["stages"], case["steps"], []
+    for replica in range(len(got) // p):
+        ref = reference_training(
+            case["inputs"][replica],
+            case["targets"][replica],
+            stages=p,
+            optimizer=case["optimizer"],
+            steps=steps,
+        )
+        ranks = [r for r in got if r["replica"] == replica]
+        losses = [sum(r["losses"][s] for r in ranks) for s in range(steps)]
+        if not torch.equal(losses[0], ref["losses"][0]):
+            problems.append(f"replica {replica}: first loss {float(losses[0])}")
+        if not torch.allclose(torch.stack(losses), torch.stack(ref["losses"]), rtol=1e-5):
+            problems.append(f"replica {replica}: losses {losses} != {ref['losses']}")
+        if len({round(float(x), 3) for x in losses}) != steps:
+            problems.append(f"replica {replica}: the model did not move: {losses}")
+        for r in ranks:
+            for k, v in r["params"][r["position"]].items():
+                want = ref["params"][r["position"]][k]
+                if not torch.allclose(v, want, rtol=1e-5, atol=1e-6):
+                    problems.append(f"replica {replica}, stage {r['position']}: param {k}")
+    return problems

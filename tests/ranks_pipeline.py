@@ -10,6 +10,27 @@ import torch
 from pipeline_model import mlp_stage, mlp_stage_params
 
 
+def _place() -> tuple[Any, int]:
+    """``(device, rank)``: the XLA mesh's, or a torch.distributed process's (CPU, gloo)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return torch.device("cpu"), dist.get_rank()
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    return torch_xla.device(), xr.global_ordinal()
+
+
+def _sync() -> None:
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()):
+        import torch_xla
+
+        torch_xla.sync()
+
+
 def _error(call: Callable[[], Any]) -> str:
     """Call; return ``"TypeName: message"`` of the error it raises, or ``"no error"``."""
     try:
@@ -183,13 +204,10 @@ def schedule_step(case: dict[str, Any]) -> dict[str, Any]:
     ``grads`` of every chunk (by virtual stage), its ``replica``, ``position`` and what ran
     (``executed``, ``live``, ``shifts``).
     """
-    import torch_xla
-    import torch_xla.runtime as xr
-
     from xla_permute import pipeline_step
 
-    device, stages, chunks = torch_xla.device(), case["stages"], case["chunks"]
-    replica, position = divmod(xr.global_ordinal(), stages)
+    (device, rank), stages, chunks = _place(), case["stages"], case["chunks"]
+    replica, position = divmod(rank, stages)
     virtual = [c * stages + position for c in range(chunks)]
     params = [
         {k: v.to(device).requires_grad_() for k, v in mlp_stage_params(s).items()} for s in virtual
@@ -217,11 +235,9 @@ def schedule_step(case: dict[str, Any]) -> dict[str, Any]:
 
 def _bad_step_calls() -> list[str]:
     """``xp.pipeline_step`` calls that must raise on every rank before any collective."""
-    import torch_xla
-
     from xla_permute import make_schedule, pipeline_step
 
-    device = torch_xla.device()
+    device = _place()[0]
     x, t = torch.zeros(4, 2, 3, device=device), torch.zeros(4, 2, 3, device=device)
 
     def loss(y, target):
@@ -239,7 +255,7 @@ def _bad_step_calls() -> list[str]:
         step(chunks=lambda y: y.sum(-1)),  # changes the activation's shape
         step(loss_fn=lambda y, target: y * target),  # not one number per micro-batch
         step(targets=t[:3]),
-        step(inputs=x.cpu()),
+        *([step(inputs=x.cpu())] if device.type == "xla" else []),  # not on this rank's device
         step(chunks="relu"),
         step(stages=3),
     ]
@@ -249,13 +265,11 @@ def _bad_step_calls() -> list[str]:
 def step_cases(cases: list[dict[str, Any]], trainings: list[dict[str, Any]]) -> dict[str, Any]:
     """The bad calls, every :func:`schedule_step` case (one program each), then every
     :func:`train_steps` run; one launch."""
-    import torch_xla
-
     errors = _bad_step_calls()
     out = []
     for case in cases:
         out.append(schedule_step(case))
-        torch_xla.sync()  # one program per case: see the module docstring of test_pipeline_step
+        _sync()  # one program per case: see the module docstring of test_pipeline_step
     return {"errors": errors, "cases": out, "trainings": [train_steps(c) for c in trainings]}
 
 
@@ -267,14 +281,12 @@ def train_steps(case: dict[str, Any]) -> dict[str, Any]:
     ``pipeline_model.make_optimizer``) and ``steps``. Returns this rank's per-step ``losses``,
     its chunks' final ``params`` (by virtual stage), ``replica`` and ``position``.
     """
-    import torch_xla
-    import torch_xla.runtime as xr
     from pipeline_model import make_optimizer
 
     from xla_permute import pipeline_step
 
-    device, stages, chunks = torch_xla.device(), case["stages"], case["chunks"]
-    replica, position = divmod(xr.global_ordinal(), stages)
+    (device, rank), stages, chunks = _place(), case["stages"], case["chunks"]
+    replica, position = divmod(rank, stages)
     virtual = [c * stages + position for c in range(chunks)]
     params = [
         {k: v.to(device).requires_grad_() for k, v in mlp_stage_params(s).items()} for s in virtual
@@ -294,7 +306,7 @@ def train_steps(case: dict[str, Any]) -> dict[str, Any]:
         )
         opt.step()
         opt.zero_grad()
-        torch_xla.sync()
+        _sync()
         losses.append(step.loss.cpu())
     final = {
         s: {k: v.detach().cpu() for k, v in p.items()} for s, p in zip(virtual, params, strict=True)
