@@ -2,9 +2,10 @@
 
 Run by ``torchrun`` (``python -m torch.distributed.run``), one process per rank:
 ``dist_cases.py OUT_DIR`` runs every case on this rank and saves ``OUT_DIR/rank{r}.pt``;
-``dist_cases.py OUT_DIR hang`` is the launch where rank 1 never joins (the others must fail
-within the process group's timeout). The test module computes the expected values from the
-same data with :mod:`xla_permute.reference` (or one-device torch) and compares.
+at 2 processes it ends with a hang: rank 1 never joins one more op, and rank 0 must fail
+within the process group's timeout (shortened to 2 s for it) and write ``OUT_DIR/hang.txt``.
+The test module computes the expected values from the same data with
+:mod:`xla_permute.reference` (or one-device torch) and compares.
 
 A case is ``inputs(n) -> {name: rank-stacked tensor}`` (the same on every process: seeded),
 ``op(mine, rank, n) -> outputs`` on a rank, and ``ref(stacked, n) -> rank-stacked outputs``.
@@ -463,18 +464,12 @@ def expect_case(name: str, c: Case, n: int) -> list[Tensors]:
     return per_rank
 
 
-def main(out_dir: str, mode: str = "cases") -> None:
+def main(out_dir: str) -> None:
     import torch.distributed as dist
 
-    timeout = timedelta(seconds=3) if mode == "hang" else TIMEOUT
-    dist.init_process_group("gloo", timeout=timeout)
+    dist.init_process_group("gloo", timeout=TIMEOUT)
     torch.set_num_threads(1)
     r, n = dist.get_rank(), dist.get_world_size()
-    if mode == "hang":  # rank 1 never joins the op; the others fail after the timeout
-        if r == 1:
-            time.sleep(120)
-        xp.all_gather_matmul(torch.ones(2, 4), torch.ones(4, 2), dim=0)
-        return
     results: dict[str, Any] = {"cases": {}, "errors": {}, "layers": {}, "seconds": {}}
     for name, c in CASES.items():
         if n >= c.min_n:
@@ -493,7 +488,29 @@ def main(out_dir: str, mode: str = "cases") -> None:
             results["errors"][name] = f"{type(e).__name__}: {e}"
     dist.barrier()  # every rank is past its errors: none left a peer waiting
     torch.save(results, Path(out_dir) / f"rank{r}.pt")
+    if n == 2:
+        hang(r, Path(out_dir))
     dist.destroy_process_group()
+
+
+def hang(r: int, out: Path) -> None:
+    """Rank 1 never joins the next op (it sleeps, then leaves); rank 0 must fail within the
+    process group's timeout, shortened here to 2 s, and says how long it waited."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _set_pg_timeout
+
+    _set_pg_timeout(timedelta(seconds=2), dist.group.WORLD)
+    if r == 1:
+        time.sleep(6)
+        os._exit(0)
+    start = time.monotonic()
+    try:
+        xp.all_gather_matmul(torch.ones(2, 4), torch.ones(4, 2), dim=0)
+        message = "no error"
+    except RuntimeError as e:
+        message = f"{type(e).__name__}: {e}"
+    (out / "hang.txt").write_text(f"{time.monotonic() - start:.1f}\n{message}\n")
+    os._exit(0)
 
 
 if __name__ == "__main__":
