@@ -234,7 +234,11 @@ def _ring_all_gather_matmul(
         for i, w in enumerate(ws):
             if ring.backend.eager:  # c10d: rows written in place (no traced program to share)
                 start = ((ring.position + offset) % n) * m + j * size
-                outs[i].narrow(dim, start, size).copy_(x_piece @ w)
+                rows_ = outs[i].narrow(dim, start, size)
+                if rows_.is_contiguous() and x_piece.dim() == 2:
+                    torch.mm(x_piece, w, out=rows_)  # straight into the output: no copy
+                else:
+                    rows_.copy_(x_piece @ w)
             else:
                 outs[i] = outs[i].index_copy(dim, index, x_piece @ w)
 
