@@ -67,7 +67,17 @@ SPMD = ("spmd-manual-collectives", "spmd-roll-all-gather")
                 *SPMD,
             },
         ),
-        ("CPU", {"cpu-thread-pool", "cpu-channel-ids", "pin-layout", "collective-token", *SPMD}),
+        (
+            "CPU",
+            {
+                "cpu-thread-pool",
+                "cpu-channel-ids",
+                "param-aliasing-deadlock",
+                "pin-layout",
+                "collective-token",
+                *SPMD,
+            },  # fmt: skip
+        ),
         ("CUDA", {"gpu-removed", "pin-layout"}),
     ],
 )

@@ -66,7 +66,12 @@ _MISMATCH_HINT = (
     "same programs. A bare xm.wait_device_ops() inside a rank waits for all devices and "
     "aborts the CPU mesh; wait for this rank's device only: "
     "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()])) (the device's real name, "
-    "e.g. 'CPU:0'; its 'xla:0' name is refused)."
+    "e.g. 'CPU:0'; its 'xla:0' name is refused). If the run set "
+    "XLA_ENABLE_PARAM_ALIASING=1 (run_on_mesh sets 0 unless asked), a training loop can "
+    "deadlock the device threads: torch_xla.sync() frees a parameter buffer donated to the "
+    "still-running step while holding the GIL, and the step waits in a collective for a rank "
+    "that needs the GIL (caveat param-aliasing-deadlock, tutorial 04); leave it unset or set "
+    "XLA_ENABLE_PARAM_ALIASING=0."
 )
 
 #: Variables that the mesh sets itself; ``env`` may not contradict them.

@@ -428,6 +428,41 @@ _CAVEATS: tuple[Caveat, ...] = (
         ),
     ),
     Caveat(
+        id="param-aliasing-deadlock",
+        applies_to=("CPU",),
+        severity="error",
+        summary=(
+            "with parameter aliasing on (XLA_ENABLE_PARAM_ALIASING=1), a training loop on a mesh "
+            "of device threads can deadlock, and XLA:CPU aborts it"
+        ),
+        what_goes_wrong=(
+            "torch_xla.sync() dispatches the step, then resets the collective token with the "
+            "GIL held. The token's graph holds the inputs of the step's collectives; if it "
+            "holds the last reference to a buffer donated to the step (a tensor updated in "
+            "place), freeing that buffer waits for the program, which waits in a collective for "
+            "a rank whose thread needs the GIL to finish tracing. XLA:CPU aborts after 15 s "
+            "(Termination timeout for `all gather ...`). It needs devices that are threads of "
+            "one process (the CPU mesh, torch_xla.launch on the CPU; TPU v2/v3 under xmp.spawn "
+            "by the mechanism, not run here), a program XLA:CPU runs asynchronously (1000 "
+            "flops or more) and ranks that reach sync at different times."
+        ),
+        library_action=(
+            "run_on_mesh sets XLA_ENABLE_PARAM_ALIASING=0 unless the caller sets it; users of "
+            "torch_xla.launch on the CPU should set it too. MeshError's message names it."
+        ),
+        sources=(
+            f"{_PT_XLA}/blob/v2.9.0/torch_xla/torch_xla.py",
+            "https://github.com/openxla/xla/blob/main/xla/pjrt/cpu/cpu_client.cc",
+            f"{_PT_XLA}/pull/4504",
+        ),
+        evidence=(
+            "a plain torch_xla reproducer runs on every build in "
+            "tutorials/04_hardware_caveats.md (aborts with aliasing on, passes with it off); "
+            "tests/test_training_probes.py runs 132 collective + in-place update + sync probes "
+            "in one launch"
+        ),
+    ),
+    Caveat(
         id="spmd-manual-collectives",
         applies_to=("TPU", "NEURON", "CPU"),
         severity="error",
