@@ -76,7 +76,7 @@ SPMD = ("spmd-manual-collectives", "spmd-roll-all-gather")
                 "pin-layout",
                 "collective-token",
                 *SPMD,
-            },  # fmt: skip
+            },
         ),
         ("CUDA", {"gpu-removed", "pin-layout"}),
     ],
