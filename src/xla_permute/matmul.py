@@ -273,8 +273,9 @@ def _ring_matmul_reduce_scatter(
     """``ReduceScatter(sum_i x_i @ ws[i])``: with one x, ``x_i = x``; with a list, one each.
 
     Each block of x is read in :func:`_row_chunks` chunks, each read waiting (:func:`_take`) for
-    the product before it, and a step's first read for the previous step's sum: x is never
-    copied whole, and no matmul waits for a permute (the sums do).
+    the product before it, and a step's first read for the previous step's sum in its
+    direction: x is never copied whole, and the matmuls of step t wait for no permute issued
+    after step t-2 (the sum they will be added to waits for step t-1's).
     """
     xs = list(x) if isinstance(x, (list, tuple)) else [x] * len(ws)
     n = ring.size
@@ -285,7 +286,7 @@ def _ring_matmul_reduce_scatter(
     w_acc = [w.to(acc) for w in ws]
     received: dict[int, Handle] = {}  # the latest sums in flight to this rank, per direction
     summed: dict[int, torch.Tensor] = {}
-    last = None  # what the next read of x waits for (XLA)
+    last: dict[int, Any] = {}  # per direction: what its next read of x waits for (XLA)
     for step in reduce_scatter_schedule(n, ring.position, ring.bidirectional):
         for direction, block in zip((1, -1), step.blocks, strict=False):
             first = (position + (block - ring.position) % n) % n * chunks  # rank-independent
@@ -293,15 +294,15 @@ def _ring_matmul_reduce_scatter(
             for j in range(chunks):
                 partial = None
                 for xi, w in zip(xs, w_acc, strict=True):
-                    piece = _take(xi, dim, n * chunks, first + j, last if xla else None)
-                    term = piece.to(acc) @ w
+                    after = last.get(direction) if xla else None
+                    term = _take(xi, dim, n * chunks, first + j, after).to(acc) @ w
                     partial = term if partial is None else partial + term
-                    last = term
+                    last[direction] = term
                 parts.append(partial)
             partial = parts[0] if chunks == 1 else torch.cat(parts, dim)
             got = received.get(direction)
             summed[direction] = got.wait() + partial if got is not None else partial
-            last = summed[direction]
+            last[direction] = summed[direction]
         for d in step.sends:  # carries this step's sums; overlaps the next step's matmuls
             received[d] = ring.send(summed[d], d)
     out = summed[1] + received[-1].wait() if -1 in received else summed[1]
