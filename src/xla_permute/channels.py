@@ -17,7 +17,11 @@ from __future__ import annotations
 
 import threading
 
-__all__ = ["next_channel_id"]
+__all__ = ["AGREEMENT_CHANNEL", "next_channel_id"]
+
+#: The channel id of the debug mode's agreement all-gather (:mod:`xla_permute.debug`), which
+#: runs in a program of its own, so it never meets the ids of :func:`next_channel_id`.
+AGREEMENT_CHANNEL = 1
 
 _lock = threading.Lock()
 _next: dict[str, int] = {}  # device -> last id handed out in its current program

@@ -57,9 +57,9 @@ __all__ = [
 ENV = "XLA_PERMUTE_DEBUG"
 _ON = {"1", "true", "on", "yes", "detail"}
 _OFF = {"", "0", "false", "off", "no"}
-#: Fields per signature, and the channel id of the check's all-gather (a program of its own).
+#: Fields per signature (the channel id of the check's all-gather on XLA, a program of its
+#: own, is :data:`xla_permute.channels.AGREEMENT_CHANNEL`).
 FIELDS = 12
-CHANNEL = 1
 _MAGIC = 0x5850  # "XP"
 _INT32_MAX = 2**31 - 1
 _NONE, _INT, _BOOL, _INTS, _PAIRS, _GROUPS, _TEXT = range(7)
@@ -225,7 +225,7 @@ def check_agreement(
     :class:`DisagreementError` instead of waiting for it in the collective.
 
     ``backend``: the :class:`~xla_permute.backend.CommBackend` (or its name) whose all-gather
-    carries the check: on XLA a program of its own (channel id ``CHANNEL``, a fresh token),
+    carries the check: on XLA a program of its own (a channel id of its own, a fresh token),
     on ``c10d`` an all-gather on the default process group. Default: ``"auto"``.
     """
     if not enabled():

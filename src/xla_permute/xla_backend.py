@@ -23,7 +23,7 @@ from collections.abc import Sequence
 
 import torch
 
-from xla_permute.backend import CommBackend, Handle, Ready
+from xla_permute.comm import CommBackend, Handle, Ready
 from xla_permute.hardware.rules import check_not_spmd
 from xla_permute.pairs import Groups, Pairs, source_of
 
@@ -158,7 +158,7 @@ class _Xla(CommBackend):
         import torch_xla
         import torch_xla.core.xla_model as xm
 
-        from xla_permute.debug import CHANNEL
+        from xla_permute.channels import AGREEMENT_CHANNEL
 
         context = xm._get_device_context().device
         token = torch_xla._XLAC._get_all_reduce_token(context)
@@ -171,7 +171,7 @@ class _Xla(CommBackend):
                 dim=0,
                 groups=[list(range(self.world_size()))],
                 pin_layout=False,
-                channel_id=CHANNEL,
+                channel_id=AGREEMENT_CHANNEL,
                 use_global_device_ids=True,
             ).cpu()
         finally:
