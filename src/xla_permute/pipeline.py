@@ -410,9 +410,9 @@ def pipeline_step(
             )
         plan = schedule
     elif m > 0:
-        plan = make_schedule(schedule, p, m, v)  # type: ignore[arg-type]
+        plan = make_schedule(schedule, p, m, v)
     elif schedule not in ("gpipe", "1f1b", "interleaved"):
-        make_schedule(schedule, p, 1, v)  # type: ignore[arg-type]  # raises the same error
+        make_schedule(schedule, p, 1, v)  # raises the same error
     needs_ring = v > 1
     if needs_ring and wrap is False:
         raise ValueError(

@@ -46,6 +46,7 @@ from typing import Literal
 __all__ = [
     "SCHEDULES",
     "PipelineSchedule",
+    "Send",
     "Work",
     "gpipe_step_schedule",
     "interleaved_schedule",
@@ -54,7 +55,6 @@ __all__ = [
     "split_layers",
 ]
 
-ScheduleName = Literal["gpipe", "1f1b", "interleaved"]
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 
 
@@ -328,9 +328,7 @@ def interleaved_schedule(stages: int, micro_batches: int, chunks: int) -> Pipeli
     return _play("interleaved", p, m, v, orders)
 
 
-def make_schedule(
-    name: ScheduleName, stages: int, micro_batches: int, chunks: int = 1
-) -> PipelineSchedule:
+def make_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
     """The schedule ``name`` (``"gpipe"``, ``"1f1b"`` or ``"interleaved"``) as data.
 
     >>> make_schedule("1f1b", 2, 4) == one_f_one_b_schedule(2, 4)

@@ -134,7 +134,7 @@ def predict_pipeline(
     >>> round(two.throughput_ratio(one), 3), one.activations, two.activations
     (1.099, 8.0, 11.5)
     """
-    s = make_schedule(name, stages, micro_batches, chunks)  # type: ignore[arg-type]
+    s = make_schedule(name, stages, micro_batches, chunks)
     time = step_time(
         s,
         t_forward=t_forward,
