@@ -49,6 +49,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: ring attention vs all-gather K/V, bytes and peak memory at N=4 and 8",
     )  # fmt: skip
     parser.add_argument(
+        "--aliasing", action="store_true",
+        help="instead: a training step with parameter aliasing off (the mesh's default) and on",
+    )  # fmt: skip
+    parser.add_argument(
         "--backend", choices=("xla", "c10d"), default="xla",
         help="xla: the CPU mesh (default); c10d: real processes on torch.distributed (gloo), "
         "ring vs baseline wall time at --processes",
@@ -85,6 +89,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         return 2
     if getattr(args, "backend", "xla") == "c10d":
         return _run_c10d(args)
+    if getattr(args, "aliasing", False):
+        from xla_permute.tools.bench.aliasing import format_aliasing_report, run_aliasing_bench
+
+        result = run_aliasing_bench(config.n)
+        print(format_aliasing_report(result))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return 0
     if getattr(args, "attention", False):
         from xla_permute.tools.bench.attention import format_attention_report, run_attention_bench
 
