@@ -36,6 +36,9 @@ DISAGREE = {
     r"\(\(0, 3\), \(1, 0\), \(2, 1\), \(3, 2\)\)",
     "all_gather_matmul: 3 rows on rank 2": r"all_gather_matmul: the ranks disagree on x\.shape: "
     r"rank 2 passes \(3, 4\), ranks 0, 1, 3 pass \(2, 4\)",
+    # the op the user called, with its own arguments (not an internal permute's packed K/V)
+    "ring_attention: 4 tokens on rank 1": r"^ring_attention: the ranks disagree on q\.shape: "
+    r"rank 1 passes \(1, 2, 4, 4\), ranks 0, 2, 3 pass \(1, 2, 2, 4\)",
 }  # fmt: skip
 
 #: case -> (error type, pattern): caught by the rank alone, with the debug mode off
@@ -55,6 +58,8 @@ LOCAL = {
     "permute: pair (0, 2) in groups of 2": ("ValueError", r"outside the group of 2"),
     "ring_attention: zigzag, odd local length": ("ValueError", r"local sequence length is 3 "
                                                  r"\(odd\)"),
+    "column layer on the device, input on the CPU": ("ValueError", r"but the input is on cpu; "
+                                                     r"move the input to the layer's device"),
 }  # fmt: skip
 
 
@@ -108,6 +113,12 @@ def default_cases() -> dict[str, object]:
         if name == "ring_attention: zigzag, odd local length":
             q = torch.ones(1, 2, 3, 4, device=device)
             return xp.ring_attention(q, q, q, layout="zigzag")
+        if name == "ring_attention: 4 tokens on rank 1":
+            q = torch.ones(1, 2, 4 if rank == 1 else 2, 4, device=device)
+            return xp.ring_attention(q, q, q)
+        if name == "column layer on the device, input on the CPU":
+            layer = ColumnParallelLinear(8, 8, generator=gen).to(device)
+            return layer(torch.ones(1, 2, 8))
         if name == "agree":  # after all the errors, a ring that agrees still runs
             return xp.collective_permute(rows(2, 1), ring)
         raise AssertionError(name)
