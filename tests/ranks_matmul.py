@@ -30,6 +30,8 @@ def matmul_cases(cases: list[dict[str, Any]], sync_each: bool = False) -> list[d
         kwargs = {"dim": case["dim"]}
         if has_bi:
             kwargs["bidirectional"] = case.get("bidirectional", False)
+        if case.get("chunks"):
+            kwargs["chunks"] = case["chunks"]
         x = case["xs"][rank].to(device).requires_grad_(case.get("gs") is not None)
         w = case["ws"][rank].to(device).requires_grad_(case.get("gs") is not None)
         y = fn(x, w, **kwargs)
@@ -72,12 +74,63 @@ def matmul_errors() -> dict[str, str]:
         "dim out of range": _error(lambda: matmul_reduce_scatter(x, w, dim=2)),
         "w not 2-D": _error(lambda: all_gather_matmul(x, torch.ones(1, 3, 4, device=d), dim=0)),
         "x 1-D": _error(lambda: all_gather_matmul(torch.ones(3, device=d), w, dim=0)),
+        **{
+            f"chunks={c!r}": _error(lambda c=c: all_gather_matmul(x, w, dim=0, chunks=c))
+            for c in (0, 3, True, "2")
+        },
     }
 
 
+def matmul_hlo() -> dict[str, Any]:
+    """The native rings traced on this rank (never run), read for overlap: per program, for
+    each step t, the matmuls of step t+1 (those its sends, or the result, need and step t's
+    do not) and how many of them depend on a permute issued at step t."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    import xla_permute as xp
+
+    n, d = xr.world_size(), torch_xla.device()
+    out = {}
+    with xp.hlo.tracing():
+        for name, bi, chunks in [("mrs", False, 1), ("mrs", True, 1), ("agm", False, 2)]:
+            if name == "mrs":  # K=8 > F=2: x read in 4 row chunks per block
+                y = xp.matmul_reduce_scatter(
+                    torch.ones(4 * n, 8, device=d), torch.ones(8, 2, device=d), dim=0,
+                    bidirectional=bi, backend="native",
+                )  # fmt: skip
+                schedule = xp.reduce_scatter_schedule(n, 0, bi)
+            else:
+                y = xp.all_gather_matmul(
+                    torch.ones(4, 8, device=d), torch.ones(8, 2, device=d), dim=0,
+                    chunks=chunks, backend="native",
+                )  # fmt: skip
+                schedule = xp.all_gather_schedule(n, 0, bi) * chunks
+            prog = xp.hlo.parse(xp.hlo.trace([y]))
+            steps = xp.hlo.permute_steps(prog, n, schedule)
+            dots = [i.name for i in prog.ops("dot")]
+            entry = {"permutes": sum(map(len, steps)), "dots": len(dots)}
+            if name == "agm":  # x travels: each permute is in flight during its step's matmul
+                entry["independent"] = [len(prog.independent_of(p)) for s in steps for p in s]
+            else:  # partial sums travel: step t's permutes fly during step t+1's matmuls
+                feeds = [{t for t in dots if any(prog.depends_on(p, t) for p in s)} for s in steps]
+                feeds[-1] = set(dots)  # the last step feeds the result
+                later = [feeds[t + 1] - feeds[t] for t in range(len(steps) - 1)]
+                entry["next_step"] = [
+                    (len(h), sum(prog.depends_on(t, p) for t in h for p in steps[i]))
+                    for i, h in enumerate(later)
+                ]
+            out[f"{name} bi={bi} chunks={chunks}"] = entry
+    return out
+
+
 def matmul_suite(cases: list[dict[str, Any]]) -> dict[str, Any]:
-    """The error checks first (they must not issue a collective), then every case."""
-    return {"errors": matmul_errors(), "cases": matmul_cases(cases)}
+    """The error checks first (they must not issue a collective), then every case, one
+    program each: the ranks compile their programs one after another, and one program of all
+    cases left the last rank more than XLA:CPU's 10 s rendezvous timeout behind the first on
+    two loaded cores; then the native rings, traced only."""
+    errors = matmul_errors()
+    return {"errors": errors, "cases": matmul_cases(cases, sync_each=True), "hlo": matmul_hlo()}
 
 
 def collectives_roundtrip(xs: torch.Tensor, gs_gather: torch.Tensor, gs_sum: torch.Tensor):
