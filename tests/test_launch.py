@@ -220,6 +220,9 @@ def test_abort_message_names_the_usual_causes_and_their_fixes():
 
     assert "XLA_PERMUTE_DEBUG=1" in _MISMATCH_HINT
     assert "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()]))" in _MISMATCH_HINT
+    assert "more than 15 s apart" in _MISMATCH_HINT  # XLA:CPU's rendezvous limit
+    assert "compiling its program much later" in _MISMATCH_HINT
+    assert "XLA_ENABLE_PARAM_ALIASING=0" in _MISMATCH_HINT
 
 
 def test_hang_is_killed_at_timeout():

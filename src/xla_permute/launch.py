@@ -57,13 +57,16 @@ __all__ = ["MeshError", "RankError", "mesh_environment", "run_on_mesh"]
 DEFAULT_TIMEOUT = 300.0
 
 _MISMATCH_HINT = (
-    "The likely cause is a collective rendezvous that could not complete: the ranks issued "
-    "mismatched collectives (a rank skipped one or issued them in another order, with "
-    "different shapes, groups or channel ids), or XLA_THREAD_POOL_SIZE is smaller than the "
-    "device count. Run with XLA_PERMUTE_DEBUG=1 to check, before every collective of "
-    "xla_permute, that the ranks agree. In a step loop, keep the step's results alive until "
-    "after torch_xla.sync() (or sync before deleting them), so that every rank executes the "
-    "same programs. A bare xm.wait_device_ops() inside a rank waits for all devices and "
+    "The likely cause is a collective rendezvous that could not complete. XLA:CPU aborts a "
+    "collective whose ranks arrive more than 15 s apart (5 s warning + 10 s). Causes: the "
+    "ranks issued mismatched collectives (a rank skipped one or issued them in another order, "
+    "with different shapes, groups or channel ids: the debug mode, on by default on the mesh, "
+    "XLA_PERMUTE_DEBUG=1, checks the collectives of xla_permute); XLA_THREAD_POOL_SIZE below "
+    "the device count; one rank compiling its program much later than another (each rank "
+    "compiles its own: a large program on a loaded machine; XLA_FLAGS="
+    "--xla_backend_optimization_level=0 compiles faster); in a step loop, results deleted "
+    "before torch_xla.sync() (keep them alive until after it, so that every rank executes the "
+    "same programs). A bare xm.wait_device_ops() inside a rank waits for all devices and "
     "aborts the CPU mesh; wait for this rank's device only: "
     "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()])) (the device's real name, "
     "e.g. 'CPU:0'; its 'xla:0' name is refused). If the run set "
