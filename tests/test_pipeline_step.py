@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import pytest
 import ranks_pipeline
+import torch
 from pipeline_model import example_batch, step_problems, training_problems
 
 from xla_permute import make_schedule, run_on_mesh
@@ -108,3 +109,36 @@ def test_1f1b_holds_p_activations_where_gpipe_holds_m(mesh):
 @pytest.mark.parametrize("name", list(TRAININGS))
 def test_training_steps_equal_one_device(mesh, name):
     assert training_problems(TRAININGS[name], mesh["trainings"][name]) == []
+
+
+def test_comparisons_find_a_wrong_result():
+    """step_problems / training_problems on hand-made per-rank results: equal, then one off."""
+    from pipeline_model import reference_step, reference_training
+
+    case = CASES["interleaved p=2 m=3"]
+    p, v = case["stages"], case["chunks"]
+    got = []
+    for replica in range(N // p):
+        ref = reference_step(case["inputs"][replica], case["targets"][replica], stages=p * v)
+        for position in range(p):
+            stages = [c * p + position for c in range(v)]
+            got.append({
+                "replica": replica, "position": position,
+                "loss": ref["loss"] if position == p - 1 else torch.zeros(()),
+                "grads": {s: dict(ref["grads"][s]) for s in stages},
+            })  # fmt: skip
+    assert step_problems(case, got) == []
+    got[3]["grads"][3] = {k: g + (k == "w2") for k, g in got[3]["grads"][3].items()}
+    assert step_problems(case, got) == ["replica 1, stage 3: grad of w2"]
+
+    case = TRAININGS["1f1b adamw p=2"]
+    runs = [reference_training(case["inputs"][r], case["targets"][r], stages=2,
+                               optimizer="adamw", steps=3) for r in range(2)]  # fmt: skip
+    got = [
+        {"replica": r, "position": s, "params": {s: runs[r]["params"][s]},
+         "losses": [x if s == 1 else torch.zeros(()) for x in runs[r]["losses"]]}
+        for r in range(2) for s in range(2)
+    ]  # fmt: skip
+    assert training_problems(case, got) == []
+    got[0]["losses"] = [x + 1 for x in got[0]["losses"]]
+    assert training_problems(case, got)[0].startswith("replica 0: first loss")
