@@ -200,7 +200,9 @@ def pipeline_schedule_figure(schedule, *, title: str | None = None) -> Figure:
     (forward, every stage to the next) or ``-1`` (backward, the opposite shift).
 
     A :class:`xla_permute.pipeline_schedule.PipelineSchedule` (GPipe, 1F1B, interleaved 1F1B:
-    forwards and backwards on one time axis) is drawn by :func:`_step_schedule_figure`.
+    forwards and backwards on one time axis) is drawn ranks by ticks instead: one cell per
+    rank and tick, forward blue, backward orange, darker for later chunks, blank for the
+    bubble, and each rank's idle ticks and peak activations beside its row.
 
     >>> from xla_permute.pipeline import gpipe_schedule
     >>> fig = pipeline_schedule_figure(gpipe_schedule(4, 4))
