@@ -120,12 +120,9 @@ def all_reduce_gradients(
                 f"all_reduce_gradients: gradients on {grads[0].device} and {g.device}; "
                 f"move the module to one device (its rank's) first"
             )
-    fields = {
-        "present": [p.grad is not None for p in params],
-        "shapes": [tuple(g.shape) for g in grads],
-        "dtypes": [str(g.dtype) for g in grads],
-        "groups": [list(g) for g in checked],
-    }
+    described = [None if p.grad is None else (tuple(p.grad.shape), str(p.grad.dtype))
+                 for p in params]  # fmt: skip
+    fields = {"gradients": repr(described), "groups": [list(g) for g in checked]}
     _agree("all_reduce_gradients", fields, grads[0], chosen)
     if len(checked[0]) == 1:
         return
