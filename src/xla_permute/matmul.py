@@ -28,7 +28,7 @@ device so that every rank runs the same program) as soon as it is made, instead 
 concatenate of all N at the end: it holds about three x blocks (own, worked on, in flight)
 plus w and the output; with ``chunks=c`` each block travels as c chunks, one chunk all the way
 round before the next, and two chunks replace two of those blocks. Matmul-reduce-scatter reads
-x in row chunks no larger than the partial sum they add to, each read waiting for the data of
+x in row chunks at most half the partial sum they add to, each read waiting for the data of
 the product before it (:func:`_take`): XLA:CPU, free to schedule reads of a parameter, would
 otherwise copy all N blocks of x before the first matmul. It then holds x, w, one chunk and a
 few partial sums: at most the baseline's x plus ``x @ w``.
@@ -151,8 +151,8 @@ def _zero_after(t: torch.Tensor) -> torch.Tensor:
     """An int64 zero computed from ``t``'s last element (finite or not): added to an index,
     it makes a read wait for ``t``. XLA folds no float ``* 0``; the last element depends on
     the last part written (a concatenate's last chunk, a sum's newest term)."""
-    last = t.reshape(-1)[-1]
-    return (torch.where(torch.isfinite(last), last, torch.zeros_like(last)) * 0).to(torch.int64)
+    zero = t.reshape(-1)[-1] * 0  # +-0, or NaN where the element is not finite
+    return torch.where(zero == 0, zero, torch.zeros_like(zero)).to(torch.int64)
 
 
 def _take(
@@ -250,17 +250,17 @@ def _row_chunks(
     x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, n: int, acc: torch.dtype
 ) -> int:
     """How many row chunks matmul-reduce-scatter reads each x block in: the fewest (a
-    divisor of the block's rows) whose chunk of x is no larger than the partial sum it adds
-    to. 1 whenever ``sum F >= K`` in equal dtypes.
+    divisor of the block's rows) whose chunk of x is at most half the partial sum it adds to
+    (the bidirectional ring reads two at once). 1 whenever ``sum F >= 2 K`` in equal dtypes.
 
     >>> x = torch.zeros(4 * 1024, 4096)
     >>> _row_chunks(x, [torch.zeros(4096, 256)], 0, 4, torch.float32)
-    16
+    32
     """
     m = x.shape[dim] // n
     piece = x.shape[-1] * x.element_size()  # bytes of x per row
     summed = sum(w.shape[1] for w in ws) * acc.itemsize  # bytes of the partial sum per row
-    return next(c for c in range(1, m + 1) if m % c == 0 and piece <= summed * c)
+    return next(c for c in range(1, m + 1) if m % c == 0 and 2 * piece <= summed * c)
 
 
 def _ring_matmul_reduce_scatter(
@@ -289,16 +289,17 @@ def _ring_matmul_reduce_scatter(
     last: dict[int, Any] = {}  # per direction: what its next read of x waits for (XLA)
     for step in reduce_scatter_schedule(n, ring.position, ring.bidirectional):
         for direction, block in zip((1, -1), step.blocks, strict=False):
-            first = (position + (block - ring.position) % n) % n * chunks  # rank-independent
+            index = (position + (block - ring.position) % n) % n * chunks  # rank-independent
             parts = []
-            for j in range(chunks):
+            for _ in range(chunks):
                 partial = None
                 for xi, w in zip(xs, w_acc, strict=True):
                     after = last.get(direction) if xla else None
-                    term = _take(xi, dim, n * chunks, first + j, after).to(acc) @ w
+                    term = _take(xi, dim, n * chunks, index, after).to(acc) @ w
                     partial = term if partial is None else partial + term
                     last[direction] = term
                 parts.append(partial)
+                index = index + 1  # no new constant per chunk
             partial = parts[0] if chunks == 1 else torch.cat(parts, dim)
             got = received.get(direction)
             summed[direction] = got.wait() + partial if got is not None else partial
