@@ -199,10 +199,8 @@ def pipeline_schedule_figure(schedule, *, title: str | None = None) -> Figure:
     blank: idle (the bubble). A dashed line between two ticks is one stage shift: ``+1``
     (forward, every stage to the next) or ``-1`` (backward, the opposite shift).
 
-    A :class:`xla_permute.pipeline_schedule.PipelineSchedule` (GPipe, 1F1B, interleaved 1F1B:
-    forwards and backwards on one time axis) is drawn ranks by ticks instead: one cell per
-    rank and tick, forward blue, backward orange, darker for later chunks, blank for the
-    bubble, and each rank's idle ticks and peak activations beside its row.
+    A :class:`xla_permute.pipeline_schedule.PipelineSchedule` (one step on one time axis) is
+    drawn ranks by ticks, with each rank's idle ticks and peak activations beside its row.
 
     >>> from xla_permute.pipeline import gpipe_schedule
     >>> fig = pipeline_schedule_figure(gpipe_schedule(4, 4))
@@ -266,12 +264,8 @@ def pipeline_schedule_figure(schedule, *, title: str | None = None) -> Figure:
 
 
 def _step_schedule_figure(schedule, *, title: str | None = None) -> Figure:
-    """One step of a pipeline schedule: ranks (rows) by ticks (columns), from its data.
-
-    A cell is the micro-batch the rank runs at that tick: blue forward, orange backward,
-    a darker shade for each later chunk of an interleaved schedule; blank cells are the
-    bubble. Right of each row: the rank's idle ticks and the most activations it holds at
-    once (chunk-sized), both counted from ``schedule.work``.
+    """Ranks by ticks; a cell holds the micro-batch (forward blue, backward orange, darker
+    for later chunks), blank is the bubble; idle ticks and peak activations from the data.
 
     >>> from xla_permute.pipeline_schedule import one_f_one_b_schedule
     >>> fig = pipeline_schedule_figure(one_f_one_b_schedule(4, 8))
@@ -284,37 +278,29 @@ def _step_schedule_figure(schedule, *, title: str | None = None) -> Figure:
     p, ticks, v = schedule.stages, schedule.ticks, schedule.chunks
     fig = new_figure(figsize=(min(MAX_WIDTH, 0.3 * ticks + 2.4), 0.42 * p + 1.5))
     ax = fig.add_subplot()
-    shades = {  # light to dark, one per chunk
-        "F": ("#6baed6", "#2171b5", "#08306b", "#08306b"),
-        "B": ("#fdae6b", "#e6550d", "#7f2704", "#7f2704"),
-    }
+    shades = {"F": ("#6baed6", "#2171b5", "#08306b"), "B": ("#fdae6b", "#e6550d", "#7f2704")}
     for t, tick in enumerate(schedule.work):
         for r, w in enumerate(tick):
             y = p - 1 - r
-            if w is None:
-                ax.add_patch(Rectangle((t, y), 0.94, 0.86, facecolor="white", edgecolor="#dddddd"))
-                continue
-            color = shades[w.kind][min(w.chunk, 3)]
-            ax.add_patch(Rectangle((t, y), 0.94, 0.86, facecolor=color, edgecolor="white"))
-            ax.text(t + 0.47, y + 0.43, str(w.micro_batch), ha="center", va="center",
-                    fontsize=MIN_FONT, color="white" if w.chunk else "black")  # fmt: skip
+            color = "white" if w is None else shades[w.kind][min(w.chunk, 2)]  # light to dark
+            ax.add_patch(Rectangle((t, y), 0.94, 0.86, facecolor=color,
+                                   edgecolor="#dddddd" if w is None else "white"))  # fmt: skip
+            if w is not None:
+                ax.text(t + 0.47, y + 0.43, str(w.micro_batch), ha="center", va="center",
+                        fontsize=MIN_FONT, color="white" if w.chunk else "black")  # fmt: skip
     for r in range(p):
-        idle, peak = schedule.idle_ticks[r], schedule.peak_in_flight[r]
-        ax.text(ticks + 0.4, p - 1 - r + 0.43, f"idle {idle}, peak {peak}", ha="left",
-                va="center", fontsize=MIN_FONT)  # fmt: skip
-    ax.set_yticks([p - 1 - r + 0.43 for r in range(p)])
-    ax.set_yticklabels([f"rank {r}" for r in range(p)], fontsize=MIN_FONT)
-    step = max(1, ticks // 12)
-    ax.set_xticks([t + 0.47 for t in range(0, ticks, step)])
-    ax.set_xticklabels([str(t) for t in range(0, ticks, step)], fontsize=MIN_FONT)
-    what = f"ticks (forward blue, backward orange{', chunk 1 darker' if v > 1 else ''})"
-    ax.set_xlabel(what, fontsize=MIN_FONT)
+        label = f"idle {schedule.idle_ticks[r]}, peak {schedule.peak_in_flight[r]}"
+        ax.text(ticks + 0.4, p - 0.57 - r, label, va="center", fontsize=MIN_FONT)
+    ax.set_yticks([p - 0.57 - r for r in range(p)], [f"rank {r}" for r in range(p)],
+                  fontsize=MIN_FONT)  # fmt: skip
+    shown = range(0, ticks, max(1, ticks // 12))
+    ax.set_xticks([t + 0.47 for t in shown], [str(t) for t in shown], fontsize=MIN_FONT)
+    ax.set_xlabel(f"ticks (forward blue, backward orange{', chunk 1 darker' * (v > 1)})",
+                  fontsize=MIN_FONT)  # fmt: skip
     ax.set_xlim(-0.2, ticks + 0.2)
     ax.set_ylim(-0.2, p)
-    for side in ("top", "right", "left", "bottom"):
-        ax.spines[side].set_visible(False)
-    bubble = f"bubble {schedule.bubble_fraction:.1%}"
-    ax.set_title(f"{title or schedule.name}: {bubble}", fontsize=10)
+    ax.spines[:].set_visible(False)
+    ax.set_title(f"{title or schedule.name}: bubble {schedule.bubble_fraction:.1%}", fontsize=10)
     fig.tight_layout()
     return fig
 

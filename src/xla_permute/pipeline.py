@@ -1,11 +1,9 @@
 """Pipeline parallelism on stage shifts: GPipe's forward, and a training step for any schedule.
 
-Two entry points. :func:`pipeline_forward` runs GPipe's forward as one SPMD tick loop and
-leaves the backward to autograd (the backward of a shift is the opposite shift).
-:func:`pipeline_step` runs one training step of a schedule from
-:mod:`xla_permute.pipeline_schedule` (GPipe, 1F1B, interleaved 1F1B): forwards and backwards
-interleaved as the schedule says, the loss on the last stage, gradients accumulated over the
-micro-batches.
+:func:`pipeline_forward` runs GPipe's forward as one SPMD tick loop, the backward left to
+autograd (a shift's backward is the opposite shift). :func:`pipeline_step` runs a training
+step of a schedule of :mod:`xla_permute.pipeline_schedule` (GPipe, 1F1B, interleaved 1F1B):
+forwards and backwards as the schedule orders them, gradients accumulated over micro-batches.
 
 A pipeline of ``S`` stages runs one stage per rank. ``M`` micro-batches flow through it in
 ``M + S - 1`` forward *ticks*: at tick ``t`` stage ``s`` works on micro-batch ``t - s`` (when
@@ -374,9 +372,10 @@ def pipeline_step(
         in shifts it had no use for, whose collectives the other ranks wait for.
 
     Raises:
-        TypeError / ValueError: bad chunks, loss_fn, inputs, targets, schedule or
-            combination (``chunks > 1`` without ``"interleaved"``, interleaved with
-            ``M < S``), a chunk that changes the shape, before any collective is issued.
+        TypeError: ``chunks``, ``loss_fn``, ``inputs`` or ``targets`` of the wrong kind.
+        ValueError: a bad schedule or combination (``chunks > 1`` without ``"interleaved"``,
+            interleaved with ``M < S`` or ``wrap=False``), a chunk that changes the shape;
+            before any collective is issued, on every rank alike.
     """
     chunk_fns = _check_chunks(chunks)
     if not callable(loss_fn):

@@ -162,7 +162,8 @@ class PipelineSchedule:
 
     @property
     def needs_ring(self) -> bool:
-        """True when the last rank hands on to the first (interleaved: chunk to chunk)."""
+        """Whether the last rank hands on to the first, as interleaved schedules do (chunk
+        ``c`` of the last rank feeds chunk ``c + 1`` of the first)."""
         return self.chunks > 1
 
     @property
@@ -176,8 +177,9 @@ class PipelineSchedule:
         return sum(self.idle_ticks) / (self.ticks * self.stages)
 
     @property
-    def theory_bubble_fraction(self) -> Fraction:
-        """``(p-1)/(m+p-1)`` (GPipe, 1F1B) or ``(p-1)/(v m + p-1)`` (interleaved)."""
+    def theory_bubble_fraction(self):  # a fractions.Fraction, exact
+        """The textbook bubble, an exact fraction: ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
+        ``(p-1)/(v m + p-1)`` interleaved."""
         p, m, v = self.stages, self.micro_batches, self.chunks
         return Fraction(p - 1, v * m + p - 1)
 
