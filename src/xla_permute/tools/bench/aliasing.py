@@ -10,10 +10,11 @@ matmul, AdamW, float32) on the CPU mesh:
 
 * **off**: the mesh's default;
 * **on**: torch_xla's default, with the collective token reset before every sync
-  (``torch_xla._XLAC._set_all_reduce_token(device, None)``). That removes the path found in
-  the deadlock's stacks (the token dropped with the GIL held after the step is dispatched),
-  but not every one: this launch can still abort, and the report then says so. The memory
-  figure comes from compiling, before anything runs, so it is measured either way.
+  (``torch_xla._XLAC._set_all_reduce_token(device, None)``), which removes the deadlock's
+  path (the token dropped with the GIL held after the step is dispatched; tutorial 04). If
+  the launch still aborts (a rank compiling long after another on a loaded machine aborts
+  either launch), the report says so; the memory figure comes from compiling, before
+  anything runs, so it is measured either way.
 
 Figures, each from the CPU mesh (emulated permutes): the step program's memory as torch_xla
 accounts it after compiling (``PT_XLA_DEBUG_LEVEL=1``'s "Post Compilation Analysis": graph
