@@ -101,3 +101,10 @@ def test_signature_fits_int32():
     row = signature("op", {"x.shape": (2**40, 3), "n": 2**33, "s": "text"}, world_size=4)
     assert all(-(2**31) <= v < 2**31 for v in row)
     assert describe_disagreement("op", [row, row]) is None
+
+
+def test_a_list_of_strings_travels_as_text():
+    """A field such as a list of dtype names is text, not groups of ints (it crashed)."""
+    rows = [signature("op", {"dtypes": [d]}, world_size=2) for d in ("torch.float32", "torch.int8")]
+    assert len(rows[0]) == len(rows[1]) == signature_length(2)
+    assert describe_disagreement("op", rows).startswith("op: the ranks disagree on dtypes")

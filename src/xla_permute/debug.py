@@ -117,6 +117,15 @@ def _payload(world_size: int) -> int:
     return max(2 * world_size, 10)
 
 
+def _is_ints(value: Any) -> bool:
+    """A sequence of ints (not a string: a list of strings travels as text)."""
+    return (
+        isinstance(value, Sequence)
+        and not isinstance(value, str)
+        and all(isinstance(v, int) for v in value)
+    )
+
+
 def _encode(value: Any, size: int) -> tuple[int, list[int]]:
     """(kind, payload) of one field value; long or unusual values travel as a CRC-32."""
     if value is None:
@@ -131,7 +140,7 @@ def _encode(value: Any, size: int) -> tuple[int, list[int]]:
         ints = [int(v) for v in value]
         if len(ints) + 1 <= size and all(abs(v) <= _INT32_MAX for v in ints):
             return _INTS, [len(ints), *ints]
-    if isinstance(value, Sequence) and all(isinstance(p, Sequence) for p in value):
+    if isinstance(value, Sequence) and all(_is_ints(p) for p in value):
         flat = [int(v) for p in value for v in p]
         if all(len(p) == 2 for p in value) and len(flat) + 1 <= size:
             return _PAIRS, [len(value), *flat]
