@@ -26,15 +26,13 @@ device data (never Python branches on the rank), so every rank traces the same p
 
 from __future__ import annotations
 
-import contextlib
-import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from xla_permute.permute import Backend
-from xla_permute.pipeline_schedule import PipelineSchedule, Work, make_schedule
+from xla_permute.pipeline_schedule import PipelineSchedule, Work, check_count, make_schedule
 from xla_permute.shift import resolve_wrap, stage_shift
 
 __all__ = [
@@ -52,17 +50,6 @@ Tick = tuple[int | None, ...]
 # --------------------------------------------------------------------------------------------
 # The schedule, as data
 # --------------------------------------------------------------------------------------------
-
-
-def _check_count(value: object, name: str, fix: str) -> int:
-    if not isinstance(value, (bool, int)):
-        with contextlib.suppress(TypeError):  # numpy / torch integer scalars
-            value = operator.index(value)  # type: ignore[arg-type]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name}={value} is below 1; {fix}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -114,8 +101,8 @@ def gpipe_schedule(stages: int, micro_batches: int) -> Schedule:
     ...
     ValueError: micro_batches=0 is below 1; ...
     """
-    _check_count(stages, "stages", "a pipeline needs at least one stage")
-    _check_count(
+    check_count(stages, "stages", "a pipeline needs at least one stage")
+    check_count(
         micro_batches, "micro_batches", "pass at least one micro-batch (inputs.shape[0] >= 1)"
     )
     ticks = micro_batches + stages - 1
@@ -140,10 +127,10 @@ def pipeline_groups(world_size: int, stages: int | None = None) -> tuple[tuple[i
     ...
     ValueError: stages=3 does not divide the 4 ranks; ...
     """
-    _check_count(world_size, "world_size", "the mesh has at least one rank")
+    check_count(world_size, "world_size", "the mesh has at least one rank")
     if stages is None:
         stages = world_size
-    _check_count(stages, "stages", "a pipeline needs at least one stage")
+    check_count(stages, "stages", "a pipeline needs at least one stage")
     if world_size % stages:
         divisors = [d for d in range(1, world_size + 1) if world_size % d == 0]
         raise ValueError(

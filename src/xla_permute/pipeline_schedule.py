@@ -58,7 +58,7 @@ __all__ = [
 SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
 
 
-def _count(value: object, name: str, fix: str) -> int:
+def check_count(value: object, name: str, fix: str) -> int:
     if not isinstance(value, (bool, int)):
         with contextlib.suppress(TypeError):  # numpy / torch integer scalars
             value = operator.index(value)  # type: ignore[arg-type]
@@ -234,8 +234,8 @@ def _play(name: str, stages: int, micro_batches: int, chunks: int, orders) -> Pi
 
 
 def _check(stages: object, micro_batches: object) -> tuple[int, int]:
-    p = _count(stages, "stages", "a pipeline needs at least one stage")
-    m = _count(micro_batches, "micro_batches", "pass at least one micro-batch")
+    p = check_count(stages, "stages", "a pipeline needs at least one stage")
+    m = check_count(micro_batches, "micro_batches", "pass at least one micro-batch")
     return p, m
 
 
@@ -305,7 +305,7 @@ def interleaved_schedule(stages: int, micro_batches: int, chunks: int) -> Pipeli
     (38, True, (11, 9, 7, 5))
     """
     p, m = _check(stages, micro_batches)
-    v = _count(chunks, "chunks", "every rank holds at least one model chunk")
+    v = check_count(chunks, "chunks", "every rank holds at least one model chunk")
     if v == 1:
         return one_f_one_b_schedule(p, m)
     if m < p:
@@ -342,7 +342,7 @@ def make_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -
     """
     if name not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
-    v = _count(chunks, "chunks", "every rank holds at least one model chunk")
+    v = check_count(chunks, "chunks", "every rank holds at least one model chunk")
     if name == "interleaved":
         return interleaved_schedule(stages, micro_batches, v)
     if v != 1:
@@ -366,9 +366,9 @@ def split_layers(layers: int, stages: int, chunks: int = 1) -> tuple[tuple[range
     ...
     ValueError: layers=6 do not split into 2 stages x 2 chunks = 4 equal chunks; ...
     """
-    n = _count(layers, "layers", "a model has at least one layer")
-    p = _count(stages, "stages", "a pipeline needs at least one stage")
-    v = _count(chunks, "chunks", "every rank holds at least one model chunk")
+    n = check_count(layers, "layers", "a model has at least one layer")
+    p = check_count(stages, "stages", "a pipeline needs at least one stage")
+    v = check_count(chunks, "chunks", "every rank holds at least one model chunk")
     if n % (p * v):
         fits = [c for c in range(1, n + 1) if n % (p * c) == 0]
         raise ValueError(
