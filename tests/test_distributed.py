@@ -14,17 +14,13 @@ joins: the other must fail within the process group's timeout instead of hanging
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
-import time
 from pathlib import Path
 
 import dist_cases as dc
 import pytest
 import torch
+from torchrun import torchrun as launch_torchrun
 
 import xla_permute as xp
 
@@ -34,20 +30,8 @@ LAUNCH_TIMEOUT = 240  # seconds for a whole launch; the process group's own time
 
 def torchrun(n: int, out: Path, *args: str, timeout: float = LAUNCH_TIMEOUT):
     """Run dist_cases.py on ``n`` processes under torchrun; bounded by ``timeout``."""
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "XLA_PERMUTE_DEBUG": "1",
-           "TORCHELASTIC_ERROR_FILE": str(out / "error.json")}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={n}", str(SCRIPT), str(out), *args]  # fmt: skip
-    start = time.monotonic()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun with {n} processes did not end in {timeout} s:\n{output[-3000:]}")
-    return proc.returncode, output, time.monotonic() - start
+    env = {"TORCHELASTIC_ERROR_FILE": str(out / "error.json")}
+    return launch_torchrun(SCRIPT, n, str(out), *args, timeout=timeout, env=env)
 
 
 @pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"N={n}")

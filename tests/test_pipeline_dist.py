@@ -8,16 +8,13 @@ several optimizer steps, and the same bad calls. Each must equal one device as o
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import test_pipeline_step as mesh_cases
 import torch
 from pipeline_model import step_problems, training_problems
+from torchrun import torchrun
 
 from xla_permute import make_schedule
 
@@ -29,19 +26,8 @@ LAUNCH_TIMEOUT = 240  # seconds for the launch; the process group's own timeout 
 @pytest.fixture(scope="module")
 def ranks(tmp_path_factory) -> list[dict]:
     out = tmp_path_factory.mktemp("pipeline_dist")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "XLA_PERMUTE_DEBUG": "1",
-           "PYTHONPATH": str(SCRIPT.parent)}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={N}", str(SCRIPT), str(out)]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, start_new_session=True)  # fmt: skip
-    try:
-        output, _ = proc.communicate(timeout=LAUNCH_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        pytest.fail(f"torchrun did not end in {LAUNCH_TIMEOUT} s:\n{output[-3000:]}")
-    assert proc.returncode == 0, output[-4000:]
+    code, output, _ = torchrun(SCRIPT, N, str(out), timeout=LAUNCH_TIMEOUT)
+    assert code == 0, output[-4000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(N)]
 
 
