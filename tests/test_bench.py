@@ -15,6 +15,7 @@ from xla_permute.__main__ import main
 from xla_permute.tools import bench
 from xla_permute.tools.bench import PRESETS, PROGRAMS, BenchConfig, BenchProgram
 from xla_permute.tools.bench.measure import read_memory_report
+from xla_permute.tools.bench.programs import MEMORY_PROGRAMS
 
 TINY = PRESETS["tiny"]
 F32 = 4
@@ -44,7 +45,7 @@ def test_smoke_runs_the_whole_pipeline(smoke):
         assert r["fusions"] >= 1
     scaling = rows_by_name(result, "scaling")
     assert sorted(scaling) == sorted(rows) and {r["n"] for r in scaling.values()} == {8}
-    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 12 + 6
+    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 12 + 6 + 2 * 4
     # Every figure names its backend, in the JSON and in the printed tables.
     assert result["backends"]["run_s"].startswith("emulated")
     for key in ("trace_s", "compile_s", "peak_bytes", "bytes"):
@@ -113,7 +114,7 @@ def test_memory_is_measured_at_both_mesh_sizes(smoke):
     at = {r["n"]: r for r in result["ratios"]["memory"]}
     for size in result["memory"]:
         n, peaks = size["n"], size["peak_bytes"]
-        assert sorted(peaks) == sorted(p.name for p in PROGRAMS)
+        assert sorted(peaks) == sorted(p.name for p in PROGRAMS + MEMORY_PROGRAMS)
         for variant in ("token", "no_token"):
             base = peaks["all_gather_matmul/baseline"][variant]
             for mode in ("input", "computed"):
@@ -126,6 +127,28 @@ def test_memory_is_measured_at_both_mesh_sizes(smoke):
     rows = rows_by_name(result)
     for name, per_rank in result["memory"][0]["peak_bytes"].items():
         assert per_rank == rows[name]["peak_bytes_per_rank"]
+
+
+def test_rings_at_their_memory_floor(smoke):
+    """Matmul-reduce-scatter at most the baseline's peak (token on, x an input), the chunked
+    all-gather-matmul ring below the unchunked, with c (N-1) permutes; at N=4 and 8."""
+    _, result, _, _ = smoke
+    checks = {c["check"]: c for c in result["checks"]}
+    at = {r["n"]: r["peak"] for r in result["ratios"]["memory"]}
+    for size in result["memory"]:
+        n, peaks, permutes = size["n"], size["peak_bytes"], size["permutes"]
+        for name in ("matmul_reduce_scatter/uni", "matmul_reduce_scatter/bi"):
+            ratio = at[n][name]["token"]["input"]
+            base = peaks[name.split("/")[0] + "/baseline"]["token"]["input"]
+            assert ratio == max(peaks[name]["token"]["input"]) / max(base) <= 1.0
+            assert checks[f"{name} at N={n}: peak memory <= 1.0x the baseline's (token on, x "
+                          "an input)"]["ok"]  # fmt: skip
+        for method in ("uni", "bi"):
+            ring = f"all_gather_matmul/{method}"
+            assert [permutes[ring + c] for c in ("", "/c2", "/c4")] == [
+                n - 1, 2 * (n - 1), 4 * (n - 1)]  # fmt: skip
+            assert at[n][ring + "/c4"]["token"]["input"] < at[n][ring]["token"]["input"]
+        assert permutes["all_gather_matmul/baseline"] == 0
 
 
 def test_partial_sum_bytes_follow_reduce_dtype(smoke):
@@ -171,7 +194,7 @@ def test_config_options_override_the_preset():
     bench.add_arguments(parser)
     args = parser.parse_args(["--preset", "tiny", "-k", "64", "--scaling-n", "0"])
     assert bench.config_from_args(args) == BenchConfig(
-        m=8, k=64, f=8, scaling_n=0, repeats=1, warmup=1, compile_repeats=1
+        m=16, k=64, f=16, scaling_n=0, repeats=1, warmup=1, compile_repeats=1
     )
     assert bench.config_from_args(parser.parse_args([])) == PRESETS["default"]
 
@@ -215,6 +238,11 @@ def test_programs_know_their_schedule_and_baseline():
     )
     with pytest.raises(ValueError, match="method must be one of"):
         BenchProgram("all_gather_matmul", "ring")
+    with pytest.raises(ValueError, match="chunks=2 is an option of the all_gather_matmul"):
+        BenchProgram("matmul_reduce_scatter", "uni", chunks=2)
+    backward = BenchProgram("all_gather_matmul", "uni", backward=True)
+    assert backward.name == "all_gather_matmul.backward/uni"
+    assert backward.baseline == BenchProgram("all_gather_matmul", "baseline", backward=True)
 
 
 def test_report_labels_ratios(smoke):
@@ -222,6 +250,7 @@ def test_report_labels_ratios(smoke):
     text = bench.format_report(result)
     # time, trace+compile at N=8, memory at N=4 and N=8, bytes
     assert text.count("1 (baseline)") == 2 * (2 + 1 + 4 + 4 + 1)
+    assert "| all_gather_matmul/bi/c4 | 4 | 12 |" in text  # chunks, permutes at N=4
     assert "Peak memory per device, N=4" in text and "Peak memory per device, N=8" in text
     assert "| matmul_reduce_scatter/uni | bfloat16 | bfloat16 |" in text
     assert "x computed, no token" in text and "two-direction steps serialised" in text

@@ -1,8 +1,11 @@
 """The benchmarked programs, their sizes, and building one on a rank of the mesh.
 
 A :class:`BenchProgram` is an op ("all_gather_matmul" or "matmul_reduce_scatter") and a
-method ("uni", "bi" or "baseline"). Per-rank shapes: all-gather-matmul takes x ``[m, k]`` and
-w ``[k, f]``; matmul-reduce-scatter takes x ``[N*m, k]`` and w ``[k, f]``; float32.
+method ("uni", "bi" or "baseline"); for the memory measurements also all-gather-matmul's
+backward (``backward=True``: the gradients of x and w for a given dy, an input) and its
+chunked ring (``chunks``), :data:`MEMORY_PROGRAMS`. Per-rank shapes: all-gather-matmul
+takes x ``[m, k]`` and w ``[k, f]``; matmul-reduce-scatter takes x ``[N*m, k]`` and w
+``[k, f]``; float32.
 :func:`inputs` makes x and w on this rank's device, :func:`build` traces the program on them.
 
 >>> [p.name for p in PROGRAMS][:3]
@@ -18,7 +21,16 @@ from typing import Any
 
 from xla_permute import schedule as _schedule
 
-__all__ = ["PRESETS", "PROGRAMS", "X_MODES", "BenchConfig", "BenchProgram", "build", "inputs"]
+__all__ = [
+    "MEMORY_PROGRAMS",
+    "PRESETS",
+    "PROGRAMS",
+    "X_MODES",
+    "BenchConfig",
+    "BenchProgram",
+    "build",
+    "inputs",
+]
 
 #: Each op and the upstream baseline it replaces (a :mod:`xla_permute.matmul` function).
 BASELINES = {
@@ -38,25 +50,40 @@ X_MODES = ("input", "computed")
 @dataclass(frozen=True)
 class BenchProgram:
     """One benchmarked program: ``op`` (a key of ``BASELINES``) and ``method``
-    ("uni", "bi" or "baseline")."""
+    ("uni", "bi" or "baseline"); ``chunks`` (all-gather-matmul's option) and ``backward``
+    (the program computes the gradients of x and w instead of the result).
+
+    >>> BenchProgram("all_gather_matmul", "uni", chunks=4).name
+    'all_gather_matmul/uni/c4'
+    >>> BenchProgram("all_gather_matmul", "bi", backward=True).baseline.name
+    'all_gather_matmul.backward/baseline'
+    """
 
     op: str
     method: str
+    chunks: int = 1
+    backward: bool = False
 
     def __post_init__(self) -> None:
         if self.op not in BASELINES:
             raise ValueError(f"BenchProgram: op must be one of {tuple(BASELINES)}, got {self.op!r}")
         if self.method not in METHODS:
             raise ValueError(f"BenchProgram: method must be one of {METHODS}, got {self.method!r}")
+        if self.chunks != 1 and (self.op != "all_gather_matmul" or self.method == "baseline"):
+            raise ValueError(
+                f"BenchProgram: chunks={self.chunks!r} is an option of the all_gather_matmul "
+                "rings only; use chunks=1"
+            )
 
     @property
     def name(self) -> str:
-        return f"{self.op}/{self.method}"
+        op = f"{self.op}.backward" if self.backward else self.op
+        return f"{op}/{self.method}" + (f"/c{self.chunks}" if self.chunks > 1 else "")
 
     @property
     def baseline(self) -> BenchProgram:
-        """The baseline program of this op."""
-        return BenchProgram(self.op, "baseline")
+        """The baseline program of this op (and direction of autograd)."""
+        return BenchProgram(self.op, "baseline", backward=self.backward)
 
     @property
     def function(self) -> str:
@@ -73,6 +100,13 @@ class BenchProgram:
 #: The six benchmarked programs, each op as ``uni``, ``bi`` and ``baseline``.
 PROGRAMS: tuple[BenchProgram, ...] = tuple(
     BenchProgram(op, method) for op in BASELINES for method in METHODS
+)
+#: Peak memory only: all-gather-matmul's chunked ring at 2 and 4 chunks per block. (Its
+#: backward, ``BenchProgram(..., backward=True)``, is not in the default run: compiled in turn
+#: by every rank of one launch, a later program ran into an all-gather the other ranks never
+#: reached, not yet explained.)
+MEMORY_PROGRAMS: tuple[BenchProgram, ...] = tuple(
+    BenchProgram("all_gather_matmul", m, chunks=c) for c in (2, 4) for m in ("uni", "bi")
 )
 
 
@@ -111,7 +145,7 @@ class BenchConfig:
 #: Named configurations, ``default`` (about a minute on 2 cores) and ``tiny`` (smoke test).
 PRESETS: dict[str, BenchConfig] = {
     "default": BenchConfig(),
-    "tiny": BenchConfig(m=8, k=32, f=8, repeats=1, warmup=1, compile_repeats=1),
+    "tiny": BenchConfig(m=16, k=64, f=16, repeats=1, warmup=1, compile_repeats=1),
 }
 
 
@@ -145,11 +179,23 @@ def inputs(
     return x.to(device), w.to(device)
 
 
-def build(program: BenchProgram, x: Any, w: Any, backend: str) -> Any:
-    """Trace ``program`` on x and w with the permute ``backend`` ("native" or "emulated")."""
+def build(program: BenchProgram, x: Any, w: Any, backend: str) -> list[Any]:
+    """Trace ``program`` on x and w with the permute ``backend`` ("native" or "emulated"):
+    its result, or for a backward program the gradients of x and w for a dy that is an input
+    (zeros)."""
+    import torch
+
     from xla_permute import matmul
 
     fn = getattr(matmul, program.function)
-    if program.method == "baseline":
-        return fn(x, w, dim=0)
-    return fn(x, w, dim=0, bidirectional=program.method == "bi", backend=backend)
+    options: dict[str, Any] = {}
+    if program.method != "baseline":
+        options = {"bidirectional": program.method == "bi", "backend": backend}
+    if program.chunks > 1:
+        options["chunks"] = program.chunks
+    if not program.backward:
+        return [fn(x, w, dim=0, **options)]
+    x, w = x.detach().requires_grad_(), w.detach().requires_grad_()
+    y = fn(x, w, dim=0, **options)
+    dy = torch.zeros(tuple(y.shape)).to(y.device)  # device data: an input of the program
+    return list(torch.autograd.grad(y, (x, w), dy))

@@ -59,13 +59,51 @@ def ratios(
     return out
 
 
+#: Rings whose peak memory (token on, x an input) must not exceed their baseline's.
+AT_MOST_BASELINE = (
+    "matmul_reduce_scatter/uni",
+    "matmul_reduce_scatter/bi",
+    "all_gather_matmul.backward/uni",
+    "all_gather_matmul.backward/bi",
+)
+
+
+def memory_checks(memory: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per mesh size (``ratios["memory"]``): each of ``AT_MOST_BASELINE`` at most 1.0x its
+    baseline's peak, and the ring with 4 chunks below the unchunked one (token on, x input)."""
+    out = []
+    for size in memory:
+        n, peak = size["n"], size["peak"]
+        for name in AT_MOST_BASELINE:
+            if name in peak:
+                ratio = peak[name]["token"]["input"]
+                out.append({
+                    "check": f"{name} at N={n}: peak memory <= 1.0x the baseline's "
+                             "(token on, x an input)",
+                    "ok": ratio <= 1.0, "detail": f"{ratio:.3f}x",
+                })  # fmt: skip
+        for method in ("uni", "bi"):
+            one, four = (peak.get(f"all_gather_matmul/{method}{c}") for c in ("", "/c4"))
+            if one is None or four is None:
+                continue
+            a, b = one["token"]["input"], four["token"]["input"]
+            out.append({
+                "check": f"all_gather_matmul/{method} at N={n}: peak memory with chunks=4 "
+                         "below chunks=1 (token on, x an input)",
+                "ok": b < a, "detail": f"{b:.3f}x vs {a:.3f}x of the baseline",
+            })  # fmt: skip
+    return out
+
+
 def checks(
     rows: list[dict[str, Any]],
     scaling: list[dict[str, Any]],
     reduce_bytes: Sequence[dict[str, Any]] = (),
+    memory: Sequence[dict[str, Any]] = (),
 ) -> list[dict[str, Any]]:
-    """Facts that must hold (``ok``); a failure makes the command exit 1."""
-    out = []
+    """Facts that must hold (``ok``); a failure makes the command exit 1. ``memory``:
+    ``ratios["memory"]`` (:func:`memory_checks`)."""
+    out = memory_checks(memory)
     for r in reduce_bytes:
         out.append({
             "check": f"{r['name']}, bf16, reduce_dtype={r['reduce_dtype']}: bytes sent = "
@@ -125,6 +163,30 @@ def _fmt_bytes(value: float) -> str:
 
 def _fmt_ratio(value: float | None) -> str:
     return "1 (baseline)" if value is None else f"{value:.2f}x"
+
+
+def _chunk_table(size: dict[str, Any], peak: dict[str, Any]) -> list[str]:
+    """All-gather-matmul's rings by ``chunks``: permutes and peak memory (token on, x input)."""
+    names = [f"all_gather_matmul/{m}{c}" for m in ("uni", "bi") for c in ("", "/c2", "/c4")]
+    names = [name for name in names if name in size.get("permutes", {}) and name in peak]
+    if not names:
+        return []
+    lines = [
+        "",
+        f"all_gather_matmul with each block sent in c chunks, N={size['n']} (native program, "
+        "XLA:CPU buffer assignment, token on, x an input):",
+        "",
+        "| program | chunks | permutes | peak | vs baseline |",
+        "|---|---|---|---|---|",
+    ]
+    for name in names:
+        chunks = name.rpartition("/c")[2] if "/c" in name else "1"
+        lines.append(
+            f"| {name} | {chunks} | {size['permutes'][name]} | "
+            f"{_fmt_bytes(max(size['peak_bytes'][name]['token']['input']))} | "
+            f"{_fmt_ratio(peak[name]['token']['input'])} |"
+        )
+    return lines
 
 
 def format_report(result: dict[str, Any]) -> str:
@@ -200,6 +262,7 @@ def format_report(result: dict[str, Any]) -> str:
                     cells.append(_fmt_bytes(max(per_rank[v][mode])))
                     cells.append(_fmt_ratio(peak[v][mode] if peak else None))
             lines.append(f"| {name} | " + " | ".join(cells) + " |")
+        lines += _chunk_table(size, size_ratios.get(size["n"], {}))
     lines += [
         "",
         f"Bytes each rank sends, N={n} (native HLO; ring algorithms assumed for the baselines' "

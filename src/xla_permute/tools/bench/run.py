@@ -26,7 +26,14 @@ from xla_permute.tools.bench.measure import (
     bench_rank,
     memory_rank,
 )
-from xla_permute.tools.bench.programs import PRESETS, PROGRAMS, X_MODES, BenchConfig, BenchProgram
+from xla_permute.tools.bench.programs import (
+    MEMORY_PROGRAMS,
+    PRESETS,
+    PROGRAMS,
+    X_MODES,
+    BenchConfig,
+    BenchProgram,
+)
 from xla_permute.tools.bench.report import checks, ratios
 
 __all__ = ["BACKENDS", "print_progress", "run_bench"]
@@ -88,7 +95,9 @@ def run_bench(
     ``run_s``, ``peak_bytes[variant][mode]`` (largest over ranks), ``peak_bytes_per_rank``,
     ``bytes``, ``chain[variant]``, ``same_as_baseline``), ``scaling`` (trace and compile at
     ``scaling_n``), ``memory`` (one dict per mesh size of :func:`memory_sizes`, ``n`` and
-    ``scaling_n``: ``peak_bytes[name][variant][mode]`` per rank), ``reduce_dtype_bytes``
+    ``scaling_n``: ``peak_bytes[name][variant][mode]`` per rank and ``permutes[name]``, for
+    the six programs and the ``MEMORY_PROGRAMS``: all-gather-matmul's backward, its chunked
+    ring), ``reduce_dtype_bytes``
     (matmul-reduce-scatter on bfloat16 per ``reduce_dtype``: sent, expected, the model's),
     ``ratios`` (against each op's baseline; ``ratios["memory"]`` per mesh size) and
     ``checks`` (facts that must hold: byte equalities, emulated results equal the
@@ -126,7 +135,7 @@ def run_bench(
                 flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={dump}".strip()
                 by_size[size][variant] = launch(
                     f"native compiles with XLA dumps, {TOKEN_ENV}={value}",
-                    memory_rank, progs, cfg, dump, n=size,
+                    memory_rank, progs + list(MEMORY_PROGRAMS), cfg, dump, n=size,
                     env={"XLA_FLAGS": flags, TOKEN_ENV: value, **no_check},
                 )  # fmt: skip
     memory = by_size[config.n]
@@ -194,12 +203,23 @@ def run_bench(
         "seconds": time.perf_counter() - t_start,
     }
     result["memory"] = [
-        {"n": size, "peak_bytes": {p.name: _per_rank(p, by_size[size]) for p in progs}}
+        {
+            "n": size,
+            "peak_bytes": {
+                p.name: _per_rank(p, by_size[size]) for p in progs + list(MEMORY_PROGRAMS)
+            },
+            "permutes": {
+                p.name: by_size[size]["token"][0]["memory"][f"{p.name}|input"]["permutes"]
+                for p in progs + list(MEMORY_PROGRAMS)
+            },
+        }
         for size in sizes
     ]
     result["reduce_dtype_bytes"] = reduce_dtype_bytes(progs, rank0["reduce_dtype_hlo"], config)
     result["ratios"] = ratios(rows, scaling, result["memory"])
-    result["checks"] = checks(rows, scaling, result["reduce_dtype_bytes"])
+    result["checks"] = checks(
+        rows, scaling, result["reduce_dtype_bytes"], result["ratios"]["memory"]
+    )
     return result
 
 
