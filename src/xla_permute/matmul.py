@@ -251,16 +251,20 @@ def _row_chunks(
 ) -> int:
     """How many row chunks matmul-reduce-scatter reads each x block in: the fewest (a
     divisor of the block's rows) whose chunk of x is at most half the partial sum it adds to
-    (the bidirectional ring reads two at once). 1 whenever ``sum F >= 2 K`` in equal dtypes.
+    (the bidirectional ring reads two at once). 1 whenever ``sum F >= 2 K`` in equal dtypes;
+    one row per chunk when no divisor is fine enough.
 
     >>> x = torch.zeros(4 * 1024, 4096)
     >>> _row_chunks(x, [torch.zeros(4096, 256)], 0, 4, torch.float32)
     32
+    >>> _row_chunks(torch.zeros(4 * 2, 6), [torch.zeros(6, 5)], 0, 4, torch.float32)
+    2
     """
     m = x.shape[dim] // n
     piece = x.shape[-1] * x.element_size()  # bytes of x per row
     summed = sum(w.shape[1] for w in ws) * acc.itemsize  # bytes of the partial sum per row
-    return next(c for c in range(1, m + 1) if m % c == 0 and 2 * piece <= summed * c)
+    fits = (c for c in range(1, m + 1) if m % c == 0 and 2 * piece <= summed * c)
+    return next(fits, max(m, 1))  # none fits (K much larger than F): one row at a time
 
 
 def _ring_matmul_reduce_scatter(
