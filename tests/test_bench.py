@@ -45,7 +45,7 @@ def test_smoke_runs_the_whole_pipeline(smoke):
         assert r["fusions"] >= 1
     scaling = rows_by_name(result, "scaling")
     assert sorted(scaling) == sorted(rows) and {r["n"] for r in scaling.values()} == {8}
-    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 12 + 6 + 2 * 4
+    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 12 + 6 + 2 * 3
     # Every figure names its backend, in the JSON and in the printed tables.
     assert result["backends"]["run_s"].startswith("emulated")
     for key in ("trace_s", "compile_s", "peak_bytes", "bytes"):
@@ -126,7 +126,8 @@ def test_memory_is_measured_at_both_mesh_sizes(smoke):
     # the N=4 figures are the main table's
     rows = rows_by_name(result)
     for name, per_rank in result["memory"][0]["peak_bytes"].items():
-        assert per_rank == rows[name]["peak_bytes_per_rank"]
+        if name in rows:  # the memory-only programs have no row
+            assert per_rank == rows[name]["peak_bytes_per_rank"]
 
 
 def test_rings_at_their_memory_floor(smoke):
@@ -143,11 +144,10 @@ def test_rings_at_their_memory_floor(smoke):
             assert ratio == max(peaks[name]["token"]["input"]) / max(base) <= 1.0
             assert checks[f"{name} at N={n}: peak memory <= 1.0x the baseline's (token on, x "
                           "an input)"]["ok"]  # fmt: skip
-        for method in ("uni", "bi"):
-            ring = f"all_gather_matmul/{method}"
-            assert [permutes[ring + c] for c in ("", "/c2", "/c4")] == [
-                n - 1, 2 * (n - 1), 4 * (n - 1)]  # fmt: skip
-            assert at[n][ring + "/c4"]["token"]["input"] < at[n][ring]["token"]["input"]
+        ring = "all_gather_matmul/uni"
+        want = [n - 1, 2 * (n - 1), 4 * (n - 1)]
+        assert [permutes[ring + c] for c in ("", "/c2", "/c4")] == want
+        assert at[n][ring + "/c4"]["token"]["input"] < at[n][ring]["token"]["input"]
         assert permutes["all_gather_matmul/baseline"] == 0
 
 
@@ -250,7 +250,7 @@ def test_report_labels_ratios(smoke):
     text = bench.format_report(result)
     # time, trace+compile at N=8, memory at N=4 and N=8, bytes
     assert text.count("1 (baseline)") == 2 * (2 + 1 + 4 + 4 + 1)
-    assert "| all_gather_matmul/bi/c4 | 4 | 12 |" in text  # chunks, permutes at N=4
+    assert "| all_gather_matmul/uni/c4 | 4 | 12 |" in text  # chunks, permutes at N=4
     assert "Peak memory per device, N=4" in text and "Peak memory per device, N=8" in text
     assert "| matmul_reduce_scatter/uni | bfloat16 | bfloat16 |" in text
     assert "x computed, no token" in text and "two-direction steps serialised" in text
