@@ -368,3 +368,45 @@ def test_the_model_is_built_from_reusable_pieces():
     assert uni.math == pytest.approx(8 * cost.matmul_time(chip, 512, 4096, 1024))
     assert cost.directions(chip) == 2 and cost.directions(chip, wraparound=False) == 1
     assert cost.directions(CHIPS["h100"], wraparound=False) == 1  # one switch egress
+
+
+# ---------------------------------------------------------------- chunked ring
+
+
+@pytest.mark.parametrize("key", list(CHIPS))
+def test_chunks_pay_one_latency_per_permute_and_keep_the_math(key):
+    chip, work = CHIPS[key], Workload(m=2048, k=4096, n=2048, n_devices=8)
+    one = cost.predict(chip, work, "uni")
+    hops = 1 if (work.wraps(chip) or chip.switched) else work.n_devices - 1
+    per_permute = hops * chip.hop_latency + chip.collective_overhead
+    for c in (2, 4):
+        p = cost.predict(chip, dataclasses.replace(work, chunks=c), "uni")
+        assert p.math == pytest.approx(one.math) and p.comm == pytest.approx(one.comm)
+        assert p.latency == pytest.approx(c * (work.n_devices - 1) * per_permute)
+        # never cheaper than the unchunked ring minus its un-overlapped last matmul
+        last = cost.matmul_time(chip, work.m, work.k, work.n)
+        assert p.total >= one.total - last + last / c + (c - 1) * 7 * per_permute - 1e-12
+        assert cost.chunk_overhead(chip, work, c) == pytest.approx(p.total / one.total - 1)
+
+
+def test_chunks_cost_latency_when_compute_bound():
+    chip = CHIPS["h100"]
+    work = Workload(m=4096, k=8192, n=4096, n_devices=8)  # compute-bound on H100
+    hops = work.n_devices - 1
+    extra = (4 - 1) * hops * (chip.hop_latency + chip.collective_overhead)
+    four = cost.predict(chip, dataclasses.replace(work, chunks=4), "uni").total
+    assert four - cost.predict(chip, work, "uni").total == pytest.approx(extra, rel=1e-6)
+    assert cost.chunk_overhead(chip, work, 1) == 0
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        ({"chunks": 0}, "chunks must be a positive int"),
+        ({"chunks": True}, "chunks must be a positive int"),
+        ({"chunks": 2, "op": "matmul_reduce_scatter"}, "option of all_gather_matmul only"),
+    ],
+)
+def test_bad_chunks(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        Workload(m=8, k=8, n=8, n_devices=4, **kwargs)

@@ -9,6 +9,7 @@ from xla_permute.cost.attention import (
     attention_crossover_table,
     load_balance,
     published_attention_checks,
+    ring_attention_backward_time,
     ring_attention_time,
 )
 
@@ -72,3 +73,18 @@ def test_published_checks_are_reported_honestly():
 def test_bad_workload_raises(kwargs, match):
     with pytest.raises(ValueError, match=match):
         AttentionWorkload(**kwargs)
+
+
+@pytest.mark.parametrize("n", [2, 4, 8])
+def test_backward_overlaps_each_hop_and_sends_dkdv_home(n):
+    """N+1 permutes; each hop's compute overlaps its permute, so the backward is at most the
+    serial sum of compute and transfers, and at least their maximum plus the home permute."""
+    chip = CHIPS["tpu-v5e"]
+    w = AttentionWorkload(seq_len=1024 * n, n_devices=n)
+    bwd = ring_attention_backward_time(chip, w)
+    v = w.kv_block_bytes / chip.neighbor_bandwidth
+    assert bwd.latency == pytest.approx((n + 1) * (chip.hop_latency + chip.collective_overhead))
+    assert bwd.comm == pytest.approx((2 * (n - 1) + 1) * v)  # K/V N-1 times, dK/dV N times
+    assert bwd.math == pytest.approx(2.5 * ring_attention_time(chip, w).math)
+    assert max(bwd.math, bwd.comm) + bwd.latency <= bwd.total + 1e-12
+    assert bwd.total <= bwd.math + bwd.comm + bwd.latency + 1e-12

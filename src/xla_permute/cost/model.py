@@ -284,7 +284,7 @@ def predict(
     lat = c * len(blocks) * (hops * chip.hop_latency + chip.collective_overhead)
     total = lat + computes[-1] / c
     for j in range(c):  # ring j's first round also finishes ring j-1's last compute
-        carried = [computes[-1] / c if j else 0.0] + [0.0] * (len(blocks) - 1)
+        carried = ([computes[-1] / c if j else 0.0] + [0.0] * len(blocks))[: len(blocks)]
         total += sum(
             max(m / c + extra, t / c)
             for m, t, extra in zip(computes[:-1], transfers, carried, strict=True)
