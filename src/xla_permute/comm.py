@@ -42,8 +42,8 @@ class CommBackend:
     name: str = "?"
     #: The device type the hardware rules apply to (:mod:`xla_permute.hardware.rules`).
     device_type: str = "CPU"
-    #: Eager (ops run as called: in-place writes are fine) or lazy (XLA: a traced program
-    #: every rank must build alike).
+    #: True when ops run as called, so in-place writes are fine; False when lazy (XLA), where
+    #: every rank builds a traced program alike.
     eager: bool = False
 
     def world_size(self) -> int:

@@ -29,7 +29,7 @@ concatenate of all N at the end: it holds about three x blocks (own, worked on, 
 plus w and the output; with ``chunks=c`` each block travels as c chunks, one chunk all the way
 round before the next, and two chunks replace two of those blocks. Matmul-reduce-scatter reads
 x in row chunks at most half the partial sum they add to, each read waiting for the data of
-the product before it (:func:`_take`): XLA:CPU, free to schedule reads of a parameter, would
+the product before it (``_take``): XLA:CPU, free to schedule reads of a parameter, would
 otherwise copy all N blocks of x before the first matmul. It then holds x, w, one chunk and a
 few partial sums: at most the baseline's x plus ``x @ w``.
 Empty inputs (0 rows, ``K = 0``, ``F = 0``) give the empty (or zero) result without a
@@ -276,7 +276,7 @@ def _ring_matmul_reduce_scatter(
 ) -> torch.Tensor:
     """``ReduceScatter(sum_i x_i @ ws[i])``: with one x, ``x_i = x``; with a list, one each.
 
-    Each block of x is read in :func:`_row_chunks` chunks, each read waiting (:func:`_take`) for
+    Each block of x is read in :func:`_row_chunks` chunks, each read waiting (``_take``) for
     the product before it, and a step's first read for the previous step's sum in its
     direction: x is never copied whole, and the matmuls of step t wait for no permute issued
     after step t-2 (the sum they will be added to waits for step t-1's).

@@ -94,13 +94,13 @@ class Mesh2D:
 
     @property
     def tp_groups(self) -> list[list[int]]:
-        """One group per CP index: the ranks that shard the weights among them."""
+        """The ranks that shard the weights among them, one group per CP index."""
         return [[self.rank(t, c) for t in range(self.tp)] for c in range(self.cp)]
 
     @property
     def cp_groups(self) -> list[list[int]]:
-        """One group per TP index: the ranks that hold the same weight shard and split the
-        sequence (ring attention's rings), in CP order."""
+        """The ranks that hold the same weight shard and split the sequence (ring
+        attention's rings), in CP order, one group per TP index."""
         return [[self.rank(t, c) for c in range(self.cp)] for t in range(self.tp)]
 
     def shard_sequence(self, x: torch.Tensor, *, dim: int, layout: str = "zigzag") -> torch.Tensor:

@@ -178,8 +178,8 @@ class PipelineSchedule:
 
     @property
     def theory_bubble_fraction(self):  # a fractions.Fraction, exact
-        """The textbook bubble, an exact fraction: ``(p-1)/(m+p-1)`` for GPipe and 1F1B,
-        ``(p-1)/(v m + p-1)`` interleaved."""
+        """The textbook bubble as an exact fraction, ``(p-1)/(m+p-1)`` for GPipe and 1F1B
+        and ``(p-1)/(v m + p-1)`` interleaved."""
         p, m, v = self.stages, self.micro_batches, self.chunks
         return Fraction(p - 1, v * m + p - 1)
 

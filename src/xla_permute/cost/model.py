@@ -41,7 +41,7 @@ links_per_neighbor`` (bytes/s, one way, towards one ring neighbour), ``L`` per-h
   Matmul-reduce-scatter is the time-reverse of this schedule (partial sums travel instead of
   x blocks), and a max-plus chain has the same total reversed, so the same formula holds with
   ``S = m n b``.
-* Chunked ring (all-gather-matmul with ``chunks = c``, :attr:`Workload.chunks`): each block
+* Chunked ring (all-gather-matmul with ``chunks = c``, ``Workload.chunks``): each block
   travels in ``c`` chunks, one chunk all the way round before the next sets out, so a rank
   holds its input, w, the output and two chunks instead of two blocks. The rounds are the
   same with ``M`` and ``C`` divided by ``c``, run ``c`` times (the first round of chunk ``j``
