@@ -5,8 +5,8 @@ and what this project checked itself (``evidence``); facts it could not confirm 
 source say so there instead of citing one. :func:`caveats` lists them per device type.
 
 >>> sorted(c.id for c in caveats("CPU"))  # doctest: +NORMALIZE_WHITESPACE
-['collective-token', 'cpu-channel-ids', 'cpu-thread-pool', 'pin-layout',
- 'spmd-manual-collectives', 'spmd-roll-all-gather']
+['collective-token', 'cpu-channel-ids', 'cpu-thread-pool', 'param-aliasing-deadlock',
+ 'pin-layout', 'spmd-manual-collectives', 'spmd-roll-all-gather']
 """
 
 from __future__ import annotations
