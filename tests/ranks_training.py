@@ -11,8 +11,8 @@ Kinds (per rank, N ranks, ``x [B, S, H]``):
   ``[B, S, F/N]``;
 * ``row``: ``act(RowParallelLinear(F -> H))``, x sharded along its features, output
   ``[B, S/N, H]``;
-* ``mlp``: :class:`~xla_permute.layers.SequenceParallelMLP` ``(H -> F -> H)``;
-* ``gated``: :class:`~xla_permute.layers.GatedMLP`;
+* ``mlp``: :class:`~xla_permute.mlp.SequenceParallelMLP` ``(H -> F -> H)``;
+* ``gated``: :class:`~xla_permute.mlp.GatedMLP`;
 * ``block2d``: tutorial 10's transformer block on a ``Mesh2D(tp=2, cp=N/2)``: TP gated MLP
   and attention heads, sequence parallel, causal zigzag ring attention over the CP groups;
   gradients of replicated weights summed with

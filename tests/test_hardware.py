@@ -462,11 +462,12 @@ def _package_imports(module) -> set[str]:
 
 def test_the_rules_sit_below_the_ops():
     """rules needs pairs only (the ops import it); no hardware module imports an op."""
-    from xla_permute.hardware import catalog, environment, rules, tpu
+    from xla_permute.hardware import catalog, caveat, environment, known_caveats, rules, tpu
 
     assert _package_imports(rules) == {"xla_permute.pairs"}
-    own = {f"xla_permute.hardware.{m}" for m in ("catalog", "environment", "rules", "tpu")}
-    for module in (catalog, environment, tpu, hardware):
+    names = ("caveat", "catalog", "environment", "known_caveats", "rules", "tpu")
+    own = {f"xla_permute.hardware.{m}" for m in names}
+    for module in (caveat, catalog, environment, known_caveats, tpu, hardware):
         assert _package_imports(module) <= own | {"xla_permute.hlo"}, module.__name__
 
 

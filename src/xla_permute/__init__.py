@@ -22,14 +22,7 @@ from xla_permute.debug import DisagreementError, debug_mode
 
 # The CPU mesh: run a function on every device
 from xla_permute.launch import MeshError, RankError, run_on_mesh
-from xla_permute.layers import (
-    ColumnParallelLinear,
-    GatedMLP,
-    RowParallelLinear,
-    SequenceParallelMLP,
-    relu_product,
-    swiglu,
-)
+from xla_permute.layers import ColumnParallelLinear, RowParallelLinear
 
 # Collective matmul and the tensor-parallel layers on it
 from xla_permute.matmul import (
@@ -41,6 +34,9 @@ from xla_permute.matmul import (
 
 # A TP x CP grid of ranks: its groups and its two-level token sharding
 from xla_permute.mesh2d import Mesh2D
+
+# MLP blocks on the tensor-parallel layers
+from xla_permute.mlp import GatedMLP, SequenceParallelMLP, relu_product, swiglu
 
 # Pairs of a CollectivePermute (pure Python)
 from xla_permute.pairs import (

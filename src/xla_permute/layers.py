@@ -15,10 +15,9 @@ Per-rank shapes, N ranks, sequence dimension ``dim`` (default 1 of ``[batch, seq
   ``y = ReduceScatter(x @ W_r.T) + b`` with ``W_r`` columns ``r*K/N ... (r+1)*K/N`` of
   the full weight and the full bias ``b`` (added once per output row; its gradient is
   summed over ranks, see :func:`~xla_permute.collectives.sum_gradients`).
-* :class:`SequenceParallelMLP`: column-parallel, activation, row-parallel;
-  ``[B, S/N, H] -> [B, S/N, H]``.
-* :class:`GatedMLP`: ``down(activation(gate(x), up(x)))`` with gate and up sharing one
-  all-gather ring (x travels once): SwiGLU (:func:`swiglu`) or the PoC's :func:`relu_product`.
+
+The MLP blocks built on them (:class:`~xla_permute.mlp.SequenceParallelMLP`,
+:class:`~xla_permute.mlp.GatedMLP`) are in :mod:`xla_permute.mlp`.
 
 ``strategy`` (every layer): ``"ring"`` (collective matmul, the default), ``"baseline"``
 (blocking upstream collective, then matmul), ``"xla"`` or ``"auto"`` (the faster of ring and
@@ -43,7 +42,7 @@ import math
 import os
 import threading
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -63,25 +62,11 @@ __all__ = [
     "STRATEGIES",
     "choose_strategy",
     "ColumnParallelLinear",
-    "GatedMLP",
     "RowParallelLinear",
-    "SequenceParallelMLP",
-    "relu_product",
-    "swiglu",
 ]
 
 STRATEGIES = ("ring", "baseline", "xla", "auto")
 Groups = Sequence[Sequence[int]] | None
-
-
-def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """SwiGLU's gate: ``silu(a) * b`` (a from the gate projection, b from the up one)."""
-    return nn.functional.silu(a) * b
-
-
-def relu_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """The upstream PoC's gate: ``relu(a * b)``."""
-    return torch.relu(a * b)
 
 
 def _count(value: object, name: str, minimum: int = 1) -> int:
@@ -408,107 +393,3 @@ class RowParallelLinear(_ParallelLinear):
             return y if self.bias is None else y + self.bias
         # The bias is whole on every rank but each rank adds it to its own rows only.
         return y + sum_gradients(self.bias, groups=self.groups)
-
-
-def _check_chain(
-    block: str, first_name: str, first: _ParallelLinear, second_name: str, second: _ParallelLinear
-) -> None:
-    """A column-parallel layer feeding a row-parallel one: the same ranks, the same sharded
-    dimension, and the first's outputs are the second's inputs (checked once, when built)."""
-    same = ("dim", "groups", "world_size", "rank")
-    differ = [a for a in same if getattr(first, a) != getattr(second, a)]
-    if first.out_features != second.in_features:
-        differ.append(f"{first_name}.out_features = {first.out_features} vs {second_name}."
-                      f"in_features = {second.in_features}")  # fmt: skip
-    if differ:
-        raise ValueError(
-            f"{block}: {first_name} feeds {second_name}, so they must agree on {differ}; "
-            f"build both with the same world_size=, rank=, groups= and dim="
-        )
-
-
-class SequenceParallelMLP(nn.Module):
-    """Transformer MLP block, sequence parallel: ``[B, S/N, H] -> [B, S/N, H]``.
-
-    ``y = RowParallel(act(ColumnParallel(x)))``: one all-gather-matmul, one activation on this
-    rank's ``ffn/N`` columns, one matmul-reduce-scatter.
-    """
-
-    def __init__(
-        self,
-        fc1: ColumnParallelLinear,
-        fc2: RowParallelLinear,
-        activation: Callable[[torch.Tensor], torch.Tensor] = nn.functional.gelu,
-    ) -> None:
-        super().__init__()
-        _check_chain("SequenceParallelMLP", "fc1", fc1, "fc2", fc2)
-        self.fc1, self.fc2, self.activation = fc1, fc2, activation
-
-    @classmethod
-    def from_mlp(
-        cls,
-        fc1: nn.Linear,
-        fc2: nn.Linear,
-        activation: Callable[[torch.Tensor], torch.Tensor] = nn.functional.gelu,
-        **kwargs: object,
-    ) -> SequenceParallelMLP:
-        """This rank's shard of the single-device MLP ``fc2(activation(fc1(x)))``."""
-        return cls(
-            ColumnParallelLinear.from_linear(fc1, **kwargs),
-            RowParallelLinear.from_linear(fc2, **kwargs),
-            activation,
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``fc2(activation(fc1(x)))``: ``[..., S/N, H] -> [..., S/N, H]``."""
-        return self.fc2(self.activation(self.fc1(x)))
-
-
-class GatedMLP(nn.Module):
-    """Gated transformer MLP, sequence parallel: ``[B, S/N, H] -> [B, S/N, H]``.
-
-    ``y = down(activation(gate(x), up(x)))``: gate and up are column-parallel and share one
-    all-gather ring (x travels once, :func:`~xla_permute.matmul.all_gather_matmul` with two
-    weights), the activation acts on this rank's ``ffn/N`` columns of both, down is
-    row-parallel. ``activation(a, b)``: :func:`swiglu` (``silu(a) * b``, the default) or
-    :func:`relu_product` (``relu(a * b)``, the upstream PoC's).
-    """
-
-    def __init__(
-        self,
-        gate: ColumnParallelLinear,
-        up: ColumnParallelLinear,
-        down: RowParallelLinear,
-        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
-    ) -> None:
-        super().__init__()
-        same = ("in_features", "out_features", "dim", "strategy", "bidirectional", "groups",
-                "backend", "world_size", "rank")  # fmt: skip
-        differ = [a for a in same if getattr(gate, a) != getattr(up, a)]
-        if differ:
-            raise ValueError(f"GatedMLP: gate and up must agree on {differ} to share a ring")
-        _check_chain("GatedMLP", "gate", gate, "down", down)
-        self.gate, self.up, self.down, self.activation = gate, up, down, activation
-
-    @classmethod
-    def from_mlp(
-        cls,
-        gate: nn.Linear,
-        up: nn.Linear,
-        down: nn.Linear,
-        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
-        **kwargs: Any,
-    ) -> GatedMLP:
-        """This rank's shard of ``down(activation(gate(x), up(x)))`` on one device (each
-        weight sharded on its own: rank r holds rows ``r*ffn/N ...`` of gate and of up)."""
-        return cls(
-            ColumnParallelLinear.from_linear(gate, **kwargs),
-            ColumnParallelLinear.from_linear(up, **kwargs),
-            RowParallelLinear.from_linear(down, **kwargs),
-            activation,
-        )
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``down(activation(gate(x), up(x)))``: ``[..., S/N, H] -> [..., S/N, H]``."""
-        a, b = _column([self.gate, self.up], x)
-        return self.down(self.activation(a, b))

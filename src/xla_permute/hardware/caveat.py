@@ -1,0 +1,126 @@
+"""One hardware caveat: the record, its severities, and how it prints (text, markdown tables).
+
+The caveats themselves are data in :mod:`xla_permute.hardware.known_caveats`;
+:func:`xla_permute.hardware.caveats` lists those that apply to a device type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["SEVERITIES", "Caveat", "caveat_table"]
+
+#: The severities of a caveat, most severe first. ``error``: the program fails, hangs or is
+#: refused; ``silent``: wrong or unexpected results without an error; ``performance``;
+#: ``info``: status and practice.
+SEVERITIES = ("error", "silent", "performance", "info")
+
+
+@dataclass(frozen=True)
+class Caveat:
+    """One hardware caveat.
+
+    ``applies_to`` lists device types (``"*"``: all); ``sources`` are upstream URLs;
+    ``evidence`` says what this project checked itself (installed source, a run on the CPU
+    mesh, a tutorial) or that a fact is not confirmed by a public source.
+    """
+
+    id: str
+    applies_to: tuple[str, ...]
+    severity: str
+    summary: str
+    what_goes_wrong: str
+    library_action: str
+    sources: tuple[str, ...]
+    evidence: str
+
+    def format(self, width: int = 100) -> str:
+        """A plain-text block, wrapped at ``width`` (for ``python -m xla_permute doctor``)."""
+        import textwrap
+
+        lines = [f"[{self.severity}] {self.id}: {self.summary}"]
+        for label, text in (
+            ("what goes wrong", self.what_goes_wrong),
+            ("this package", self.library_action),
+            ("evidence", self.evidence),
+        ):
+            lines += textwrap.wrap(
+                text,
+                width,
+                initial_indent=f"  {label}: ",
+                subsequent_indent="    ",
+                break_on_hyphens=False,
+            )
+        lines += [f"  source: {url}" for url in self.sources]
+        return "\n".join(lines)
+
+    def markdown(self) -> str:
+        """A two-column markdown table of this caveat (for notebooks: ``IPython.display``'s
+        ``Markdown``), its sources as links.
+
+        >>> from xla_permute.hardware.catalog import caveats
+        >>> cpu = {c.id: c for c in caveats("CPU")}
+        >>> print(cpu["cpu-channel-ids"].markdown().splitlines()[0])
+        | `cpu-channel-ids` | error |
+        """
+        rows = [
+            ("summary", self.summary),
+            ("what goes wrong", self.what_goes_wrong),
+            ("this package", self.library_action),
+            ("evidence", self.evidence),
+        ]
+        if self.sources:
+            rows.append(("sources", ", ".join(_link(url) for url in self.sources)))
+        lines = [f"| `{self.id}` | {self.severity} |", "|---|---|"]
+        lines += [f"| {label} | {_cell(text)} |" for label, text in rows]
+        return "\n".join(lines)
+
+
+def _cell(text: str) -> str:
+    """``text`` for one cell of a markdown pipe table."""
+    return " ".join(text.split()).replace("|", "\\|")
+
+
+def _link(url: str) -> str:
+    """A markdown link with a short name: ``pytorch/xla#8855`` for an issue or pull request."""
+    parts = url.removeprefix("https://github.com/").split("/")
+    if url.startswith("https://github.com/") and len(parts) >= 4 and parts[2] in ("issues", "pull"):
+        name = f"{parts[0]}/{parts[1]}#{parts[3]}"
+    else:
+        name = url.rstrip("/").rsplit("/", 1)[-1] or url
+    return f"[{name}]({url})"
+
+
+def caveat_table(
+    selected: Sequence[Caveat], columns: Sequence[str] = ("severity", "id", "summary")
+) -> str:
+    """A markdown pipe table with one row per caveat and the given :class:`Caveat` fields as
+    columns (``sources`` as links); for notebooks, shown with ``IPython.display.Markdown``.
+
+    >>> from xla_permute.hardware.catalog import caveats
+    >>> print(caveat_table(caveats("CUDA")[:1]))
+    | severity | id | summary |
+    |---|---|---|
+    | silent | `pin-layout` | pin_layout: default True on most xm collectives, absent on ... |
+    """
+    fields = {f.name for f in dataclasses.fields(Caveat)}
+    bad = [c for c in columns if c not in fields]
+    if bad or not columns:
+        raise ValueError(f"columns must be Caveat fields ({', '.join(sorted(fields))}), got {bad}")
+    head = [f"| {' | '.join(c.replace('_', ' ') for c in columns)} |"]
+    head.append("|" + "---|" * len(columns))
+
+    def value(caveat: Caveat, column: str) -> str:
+        v = getattr(caveat, column)
+        if column == "id":
+            return f"`{v}`"
+        if column == "sources":
+            return ", ".join(_link(url) for url in v)
+        if column == "applies_to":
+            return "every device type" if "*" in v else ", ".join(v)
+        return _cell(str(v))
+
+    rows = [f"| {' | '.join(value(c, col) for col in columns)} |" for c in selected]
+    return "\n".join(head + rows)

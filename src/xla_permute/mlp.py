@@ -1,0 +1,134 @@
+"""MLP blocks on the tensor-parallel layers, sequence parallel: ``[B, S/N, H] -> [B, S/N, H]``.
+
+* :class:`SequenceParallelMLP`: column-parallel, activation, row-parallel.
+* :class:`GatedMLP`: ``down(activation(gate(x), up(x)))`` with gate and up sharing one
+  all-gather ring (x travels once): SwiGLU (:func:`swiglu`) or the PoC's :func:`relu_product`.
+
+The layers, their ``strategy`` and their backward are in :mod:`xla_permute.layers`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from xla_permute.layers import ColumnParallelLinear, RowParallelLinear, _column, _ParallelLinear
+
+__all__ = ["GatedMLP", "SequenceParallelMLP", "relu_product", "swiglu"]
+
+
+def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """SwiGLU's gate: ``silu(a) * b`` (a from the gate projection, b from the up one)."""
+    return nn.functional.silu(a) * b
+
+
+def relu_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """The upstream PoC's gate: ``relu(a * b)``."""
+    return torch.relu(a * b)
+
+
+def _check_chain(
+    block: str, first_name: str, first: _ParallelLinear, second_name: str, second: _ParallelLinear
+) -> None:
+    """A column-parallel layer feeding a row-parallel one: the same ranks, the same sharded
+    dimension, and the first's outputs are the second's inputs (checked once, when built)."""
+    same = ("dim", "groups", "world_size", "rank")
+    differ = [a for a in same if getattr(first, a) != getattr(second, a)]
+    if first.out_features != second.in_features:
+        differ.append(f"{first_name}.out_features = {first.out_features} vs {second_name}."
+                      f"in_features = {second.in_features}")  # fmt: skip
+    if differ:
+        raise ValueError(
+            f"{block}: {first_name} feeds {second_name}, so they must agree on {differ}; "
+            f"build both with the same world_size=, rank=, groups= and dim="
+        )
+
+
+class SequenceParallelMLP(nn.Module):
+    """Transformer MLP block, sequence parallel: ``[B, S/N, H] -> [B, S/N, H]``.
+
+    ``y = RowParallel(act(ColumnParallel(x)))``: one all-gather-matmul, one activation on this
+    rank's ``ffn/N`` columns, one matmul-reduce-scatter.
+    """
+
+    def __init__(
+        self,
+        fc1: ColumnParallelLinear,
+        fc2: RowParallelLinear,
+        activation: Callable[[torch.Tensor], torch.Tensor] = nn.functional.gelu,
+    ) -> None:
+        super().__init__()
+        _check_chain("SequenceParallelMLP", "fc1", fc1, "fc2", fc2)
+        self.fc1, self.fc2, self.activation = fc1, fc2, activation
+
+    @classmethod
+    def from_mlp(
+        cls,
+        fc1: nn.Linear,
+        fc2: nn.Linear,
+        activation: Callable[[torch.Tensor], torch.Tensor] = nn.functional.gelu,
+        **kwargs: object,
+    ) -> SequenceParallelMLP:
+        """This rank's shard of the single-device MLP ``fc2(activation(fc1(x)))``."""
+        return cls(
+            ColumnParallelLinear.from_linear(fc1, **kwargs),
+            RowParallelLinear.from_linear(fc2, **kwargs),
+            activation,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``fc2(activation(fc1(x)))``: ``[..., S/N, H] -> [..., S/N, H]``."""
+        return self.fc2(self.activation(self.fc1(x)))
+
+
+class GatedMLP(nn.Module):
+    """Gated transformer MLP, sequence parallel: ``[B, S/N, H] -> [B, S/N, H]``.
+
+    ``y = down(activation(gate(x), up(x)))``: gate and up are column-parallel and share one
+    all-gather ring (x travels once, :func:`~xla_permute.matmul.all_gather_matmul` with two
+    weights), the activation acts on this rank's ``ffn/N`` columns of both, down is
+    row-parallel. ``activation(a, b)``: :func:`swiglu` (``silu(a) * b``, the default) or
+    :func:`relu_product` (``relu(a * b)``, the upstream PoC's).
+    """
+
+    def __init__(
+        self,
+        gate: ColumnParallelLinear,
+        up: ColumnParallelLinear,
+        down: RowParallelLinear,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
+    ) -> None:
+        super().__init__()
+        same = ("in_features", "out_features", "dim", "strategy", "bidirectional", "groups",
+                "backend", "world_size", "rank")  # fmt: skip
+        differ = [a for a in same if getattr(gate, a) != getattr(up, a)]
+        if differ:
+            raise ValueError(f"GatedMLP: gate and up must agree on {differ} to share a ring")
+        _check_chain("GatedMLP", "gate", gate, "down", down)
+        self.gate, self.up, self.down, self.activation = gate, up, down, activation
+
+    @classmethod
+    def from_mlp(
+        cls,
+        gate: nn.Linear,
+        up: nn.Linear,
+        down: nn.Linear,
+        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
+        **kwargs: Any,
+    ) -> GatedMLP:
+        """This rank's shard of ``down(activation(gate(x), up(x)))`` on one device (each
+        weight sharded on its own: rank r holds rows ``r*ffn/N ...`` of gate and of up)."""
+        return cls(
+            ColumnParallelLinear.from_linear(gate, **kwargs),
+            ColumnParallelLinear.from_linear(up, **kwargs),
+            RowParallelLinear.from_linear(down, **kwargs),
+            activation,
+        )
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``down(activation(gate(x), up(x)))``: ``[..., S/N, H] -> [..., S/N, H]``."""
+        a, b = _column([self.gate, self.up], x)
+        return self.down(self.activation(a, b))
