@@ -22,6 +22,7 @@ timeout (``init_process_group(timeout=...)``), an error on the waiting rank, not
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Sequence
 from typing import Any
 
@@ -65,8 +66,8 @@ class _C10d(CommBackend):
     eager = True
 
     def __init__(self) -> None:
-        self._world: Any = None  # the default group the cache below belongs to
-        self._groups: dict[Groups, Any] = {}
+        self._world: weakref.ref | None = None  # the default group the cache belongs to
+        self._groups: dict[Groups, weakref.ref] = {}
 
     def world_size(self) -> int:
         return _dist().get_world_size()
@@ -119,20 +120,29 @@ class _C10d(CommBackend):
             return None
 
     def _group(self, groups: Groups | None) -> tuple[Any, tuple[int, ...]]:
-        """``(process group, this rank's group in listed order)``; None: the default group."""
+        """``(process group, this rank's group in listed order)``; None: the default group.
+
+        The cache holds the groups *weakly*: ``destroy_process_group()`` must be able to free
+        them. A strong reference kept them alive until the interpreter's teardown, where
+        gloo's threads were destroyed unjoined and the process aborted ("terminate called
+        without an active exception") after a run that had finished.
+        """
         dist = _dist()
         world = dist.group.WORLD
-        if world is not self._world:  # a new init_process_group: the old groups are gone
-            self._world, self._groups = world, {}
+        if self._world is None or self._world() is not world:  # a new init_process_group
+            self._world, self._groups = weakref.ref(world), {}
         rank, n = dist.get_rank(), dist.get_world_size()
         if groups is None or groups == (tuple(range(n)),):
             return None, tuple(range(n))
         mine = next(g for g in groups if rank in g)
-        if groups not in self._groups:
+        cached = self._groups.get(groups)
+        group = cached() if cached is not None else None
+        if group is None:
             timeout = self._timeout()
             made = [dist.new_group(sorted(g), timeout=timeout) for g in groups]  # every rank
-            self._groups[groups] = made[groups.index(mine)]
-        return self._groups[groups], mine
+            group = made[groups.index(mine)]
+            self._groups[groups] = weakref.ref(group)
+        return group, mine
 
     def send(self, x: torch.Tensor, pairs: Pairs, tag: int = 0) -> Handle:
         if not pairs or x.numel() == 0:
