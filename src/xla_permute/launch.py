@@ -341,7 +341,7 @@ def run_on_mesh(
         payload_path, result_path = Path(tmp, "payload.pkl"), Path(tmp, "result.pkl")
         payload_path.write_bytes(payload)
         argv = [str(payload_path), str(result_path)]
-        with preload.start_process(argv, environment) as proc:
+        with preload.start_process("xla_permute.launch:_child_main", argv, environment) as proc:
             finished, err = rank_output.relay(proc, timeout)
             if not finished:
                 os.killpg(proc.pid, signal.SIGKILL)

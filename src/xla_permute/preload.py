@@ -23,6 +23,7 @@ This file imports only the standard library at the top: the zygote runs it by pa
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import signal
@@ -34,7 +35,7 @@ from typing import IO, Any
 
 __all__ = ["LAUNCH_VARIABLES", "PRELOAD", "PRELOAD_ENV", "ForkedProcess", "start_process"]
 
-#: The modules the zygote imports: torch and what torch_xla's import pulls in from it.
+#: The modules the zygote imports (torch and what torch_xla's import pulls in from it).
 PRELOAD = (
     "torch",
     "torch._dynamo",
@@ -45,9 +46,9 @@ PRELOAD = (
     "numpy",
     "cloudpickle",
 )
-#: Variables a launch may set differently from the zygote's environment: none of them is
-#: read while importing the :data:`PRELOAD` modules (torch_xla, XLA and this package read
-#: them; pytest changes ``PYTEST_CURRENT_TEST`` for every test).
+#: The variables a launch may set differently from the zygote's environment, because no
+#: import of the :data:`PRELOAD` modules reads them (torch_xla, XLA and this package do;
+#: pytest changes ``PYTEST_CURRENT_TEST`` for every test).
 LAUNCH_VARIABLES = frozenset(
     {
         "PJRT_DEVICE",
@@ -59,9 +60,11 @@ LAUNCH_VARIABLES = frozenset(
         "XLA_ENABLE_PARAM_ALIASING",
         "DISABLE_NUMERIC_CC_TOKEN",
         "PYTEST_CURRENT_TEST",
+        "XLA_PERMUTE_PRELOAD",
     }
 )
-#: ``XLA_PERMUTE_PRELOAD=0`` in this process's environment: a fresh interpreter per launch.
+#: The switch (``XLA_PERMUTE_PRELOAD=0`` in this process's environment starts a fresh
+#: interpreter for every launch).
 PRELOAD_ENV = "XLA_PERMUTE_PRELOAD"
 _READY_TIMEOUT = 300.0  # seconds for the zygote's imports, on a loaded machine
 
@@ -75,7 +78,7 @@ class ForkedProcess:
     ``pid``, text ``stdout``/``stderr`` pipes, ``wait``, ``returncode`` (negative: the
     signal that ended it), and ``with`` (closes the pipes and waits, as Popen does)."""
 
-    def __init__(self, zygote: _Zygote, pid: int, stdout: IO[str], stderr: IO[str]) -> None:
+    def __init__(self, zygote: Any, pid: int, stdout: IO[str], stderr: IO[str]) -> None:
         self._zygote, self.pid, self.stdout, self.stderr = zygote, pid, stdout, stderr
         self.returncode: int | None = None
 
@@ -129,12 +132,12 @@ class _Zygote:
             raise ConnectionError("the zygote exited")
         return json.loads(message)
 
-    def fork(self, argv: list[str], env: dict[str, str]) -> ForkedProcess:
-        """Fork a device process running ``launch._child_main(*argv)`` (lock held)."""
+    def fork(self, entry: str, argv: list[str], env: dict[str, str]) -> ForkedProcess:
+        """Fork a process running ``entry`` (``"module:function"``) on ``argv`` (lock held)."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            request = {"argv": argv, "env": env, "cwd": os.getcwd()}
+            request = {"entry": entry, "argv": argv, "env": env, "cwd": os.getcwd()}
             socket.send_fds(self.sock, [json.dumps(request).encode()], [out_w, err_w])
             pid = self.receive(_READY_TIMEOUT)["pid"]
         except BaseException:
@@ -160,10 +163,23 @@ _zygote: _Zygote | None = None
 _zygote_lock = threading.Lock()
 
 
-def start_process(argv: list[str], env: dict[str, str]) -> ForkedProcess | subprocess.Popen:
-    """Start the device process ``launch._child_main(*argv)`` with environment ``env``: a
-    fork of the zygote (started, or replaced, when needed), or a fresh interpreter when the
-    preload is off, the zygote cannot start, or it is busy with another launch.
+@atexit.register
+def _close_zygote() -> None:
+    global _zygote
+    with _zygote_lock:
+        if _zygote is not None:
+            _zygote.close()
+            _zygote = None
+
+
+def start_process(
+    entry: str, argv: list[str], env: dict[str, str]
+) -> ForkedProcess | subprocess.Popen:
+    """Start a process that calls ``entry`` (``"module:function"``, e.g. the mesh's
+    ``"xla_permute.launch:_child_main"``) with the strings ``argv``, in environment ``env``:
+    a fork of the zygote (started, or replaced, when needed), or a fresh interpreter when the
+    preload is off, the zygote cannot start, or it is busy with another launch. The function
+    ends the process itself or returns (exit status 0).
 
     Either way the process leads a session of its own (``os.killpg(proc.pid, ...)`` ends it)
     and has text pipes as ``stdout`` and ``stderr``.
@@ -184,7 +200,7 @@ def start_process(argv: list[str], env: dict[str, str]) -> ForkedProcess | subpr
                 zygote = _zygote = None
         if zygote is not None and zygote.lock.acquire(blocking=False):
             try:
-                return zygote.fork(argv, env)
+                return zygote.fork(entry, argv, env)
             except (OSError, TimeoutError, ValueError):
                 zygote.lock.release()
                 with _zygote_lock:
@@ -192,7 +208,7 @@ def start_process(argv: list[str], env: dict[str, str]) -> ForkedProcess | subpr
                         zygote.close()
                         _zygote = None
     return subprocess.Popen(
-        [sys.executable, "-c", _CHILD, *argv],
+        [sys.executable, "-c", _CALL, entry, *argv],
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -201,7 +217,10 @@ def start_process(argv: list[str], env: dict[str, str]) -> ForkedProcess | subpr
     )
 
 
-_CHILD = "import sys; from xla_permute.launch import _child_main; _child_main(*sys.argv[1:])"
+_CALL = (
+    "import importlib, sys; module, _, name = sys.argv[1].partition(':'); "
+    "getattr(importlib.import_module(module), name)(*sys.argv[2:])"
+)
 
 
 # --------------------------------------------------------------------------- the zygote
@@ -240,7 +259,8 @@ def _zygote_main(fd: int) -> None:
 
 
 def _run_fork(request: dict[str, Any], fds: list[int]) -> None:
-    """In the fork: become what ``python -c _CHILD *argv`` would be, and run it. Never returns."""
+    """In the fork: become what ``python -c _CALL entry *argv`` would be, and run it. Never
+    returns."""
     code = 1
     try:
         os.setsid()
@@ -252,15 +272,15 @@ def _run_fork(request: dict[str, Any], fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = ["-c", *request["argv"]]
+        sys.argv = ["-c", request["entry"], *request["argv"]]
+        import importlib
         import random
 
         random.seed()  # a fresh interpreter's generators differ from launch to launch
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        from xla_permute.launch import _child_main
-
-        _child_main(*request["argv"])  # ends the process itself (os._exit)
+        module, _, name = request["entry"].partition(":")
+        getattr(importlib.import_module(module), name)(*request["argv"])
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
