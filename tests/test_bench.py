@@ -1,5 +1,7 @@
-"""``python -m xla_permute bench`` on tiny sizes (one smoke run: six mesh launches), and its
-parts without a mesh. No timing is asserted; memory and bytes are deterministic and are."""
+"""``python -m xla_permute bench`` on tiny sizes: one smoke run at N=4 (three mesh launches),
+the N=8 parts of the command line's default run (trace and compile; the memory of the
+programs the checks judge), and its parts without a mesh. No timing is asserted; memory and
+bytes are deterministic and are."""
 
 from __future__ import annotations
 
@@ -8,16 +10,21 @@ import contextlib
 import io
 import json
 import math
+import os
 
 import pytest
 
+from xla_permute import run_on_mesh
 from xla_permute.__main__ import main
+from xla_permute.debug import ENV as DEBUG_ENV
 from xla_permute.tools import bench
 from xla_permute.tools.bench import PRESETS, PROGRAMS, BenchConfig, BenchProgram
-from xla_permute.tools.bench.measure import read_memory_report
+from xla_permute.tools.bench.measure import bench_rank, memory_rank, read_memory_report
 from xla_permute.tools.bench.programs import MEMORY_PROGRAMS
+from xla_permute.tools.bench.run import account
 
 TINY = PRESETS["tiny"]
+SMOKE = BenchConfig(**{**vars(TINY), "scaling_n": 0})  # N=8 below, on the programs judged
 F32 = 4
 
 
@@ -26,7 +33,7 @@ def smoke(tmp_path_factory):
     path = tmp_path_factory.mktemp("bench") / "bench.json"
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
-        code = main(["bench", "--preset", "tiny", "--json", str(path)])
+        code = main(["bench", "--preset", "tiny", "--scaling-n", "0", "--json", str(path)])
     return code, json.loads(path.read_text()), out.getvalue(), err.getvalue()
 
 
@@ -37,22 +44,23 @@ def rows_by_name(result, key="programs"):
 def test_smoke_runs_the_whole_pipeline(smoke):
     code, result, out, err = smoke
     assert code == 0, out
-    assert result["config"] == {**vars_of(TINY)}
+    assert result["config"] == vars_of(SMOKE)
     rows = rows_by_name(result)
     assert sorted(rows) == sorted(p.name for p in PROGRAMS)
     for r in rows.values():
         assert r["trace_s"] > 0 and r["compile_s"] > 0 and r["run_s"] > 0
         assert r["fusions"] >= 1
-    scaling = rows_by_name(result, "scaling")
-    assert sorted(scaling) == sorted(rows) and {r["n"] for r in scaling.values()} == {8}
-    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 12 + 6 + 2 * 3
+    assert result["scaling"] == [] and [size["n"] for size in result["memory"]] == [4]
+    # bytes per reduce_dtype (3 programs x 2), bytes and emulated results of the 4 rings,
+    # the memory floor at N=4 (3)
+    assert all(c["ok"] for c in result["checks"]) and len(result["checks"]) == 6 + 8 + 3
     # Every figure names its backend, in the JSON and in the printed tables.
     assert result["backends"]["run_s"].startswith("emulated")
     for key in ("trace_s", "compile_s", "peak_bytes", "bytes"):
         assert result["backends"][key].startswith("native")
     assert "run ms (emulated)" in out and "compile ms (native)" in out
     assert "Targets" not in out  # the project's goals are not the tool's business
-    assert "[bench]" in err and "8-device CPU mesh" in err  # progress goes to stderr
+    assert "[bench]" in err and "4-device CPU mesh" in err  # progress goes to stderr
 
 
 def vars_of(config: BenchConfig) -> dict[str, int]:
@@ -72,9 +80,6 @@ def test_all_gather_matmul_sends_what_the_baseline_sends(smoke):
     assert uni["per_step"] == [block] * (n - 1) + [0]  # one block per step, none at the last
     assert bi["per_step"] == [2 * block, block, 0]  # both ways, then the last one way (N=4)
     assert [kind for kind, _ in uni["per_collective"]] == ["collective-permute"] * (n - 1)
-    for r in rows_by_name(result, "scaling").values():
-        if r["op"] == "all_gather_matmul":
-            assert r["bytes_total"] == (8 - 1) * block
 
 
 def test_matmul_reduce_scatter_sends_what_the_baseline_sends(smoke):
@@ -107,10 +112,9 @@ def test_memory_comes_from_the_right_compiled_program(smoke):
                 assert len(per_rank) == n and r["peak_bytes"][variant][mode] == max(per_rank)
 
 
-def test_memory_is_measured_at_both_mesh_sizes(smoke):
+def test_memory_is_measured_per_rank(smoke):
     _, result, _, _ = smoke
     m, k, w = TINY.m, TINY.k, TINY.k * TINY.f * F32
-    assert [size["n"] for size in result["memory"]] == [4, 8]
     at = {r["n"]: r for r in result["ratios"]["memory"]}
     for size in result["memory"]:
         n, peaks = size["n"], size["peak_bytes"]
@@ -132,7 +136,7 @@ def test_memory_is_measured_at_both_mesh_sizes(smoke):
 
 def test_rings_at_their_memory_floor(smoke):
     """Matmul-reduce-scatter at most the baseline's peak (token on, x an input), the chunked
-    all-gather-matmul ring below the unchunked, with c (N-1) permutes; at N=4 and 8."""
+    all-gather-matmul ring below the unchunked, with c (N-1) permutes (N=4; N=8 below)."""
     _, result, _, _ = smoke
     checks = {c["check"]: c for c in result["checks"]}
     at = {r["n"]: r["peak"] for r in result["ratios"]["memory"]}
@@ -149,6 +153,44 @@ def test_rings_at_their_memory_floor(smoke):
         assert [permutes[ring + c] for c in ("", "/c2", "/c4")] == want
         assert at[n][ring + "/c4"]["token"]["input"] < at[n][ring]["token"]["input"]
         assert permutes["all_gather_matmul/baseline"] == 0
+
+
+N8_PROGRAMS = [
+    *(BenchProgram("matmul_reduce_scatter", m) for m in ("uni", "bi", "baseline")),
+    *(BenchProgram("all_gather_matmul", "uni", chunks=c) for c in (1, 4)),
+    BenchProgram("all_gather_matmul", "baseline"),
+]
+
+
+def test_rings_at_their_memory_floor_on_8_devices(tmp_path):
+    """What the bench's default run checks at N=8, on the programs those checks judge: the
+    same compile (memory_rank, token on), the same figure (largest rank over largest rank)."""
+    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path}".strip()
+    per_rank = run_on_mesh(
+        memory_rank, N8_PROGRAMS, vars_of(TINY), str(tmp_path), n=8,
+        env={"XLA_FLAGS": flags, DEBUG_ENV: "0"},
+    )  # fmt: skip
+    memory = [r["memory"] for r in per_rank]
+    peak = {p.name: max(m[f"{p.name}|input"]["bytes"] for m in memory) for p in N8_PROGRAMS}
+    permutes = {p.name: memory[0][f"{p.name}|input"]["permutes"] for p in N8_PROGRAMS}
+    for method in ("uni", "bi"):
+        name = f"matmul_reduce_scatter/{method}"
+        assert peak[name] <= peak["matmul_reduce_scatter/baseline"], (name, peak)
+    ring = "all_gather_matmul/uni"
+    assert [permutes[ring], permutes[ring + "/c4"]] == [7, 28]
+    assert peak[ring + "/c4"] < peak[ring] < peak["all_gather_matmul/baseline"]
+
+
+def test_trace_and_compile_at_a_second_mesh_size():
+    """The bench's second mesh size (``scaling_n``, 8 by default): rank 0 traces and compiles
+    the native programs; each sends what its baseline sends, N-1 blocks."""
+    out = run_on_mesh(bench_rank, PROGRAMS, vars_of(TINY), run=False, native=True, n=8,
+                      env={DEBUG_ENV: "0"})[0]  # fmt: skip
+    block = {"all_gather_matmul": TINY.m * TINY.k * F32, "matmul_reduce_scatter": TINY.m *
+             TINY.f * F32}  # fmt: skip
+    for p in PROGRAMS:
+        assert min(out["trace_s"][p.name]) > 0 and min(out["compile_s"][p.name]) > 0
+        assert account(p, out["hlo"][p.name], 8).total == 7 * block[p.op], p.name
 
 
 def test_partial_sum_bytes_follow_reduce_dtype(smoke):
@@ -248,10 +290,10 @@ def test_programs_know_their_schedule_and_baseline():
 def test_report_labels_ratios(smoke):
     _, result, _, _ = smoke
     text = bench.format_report(result)
-    # time, trace+compile at N=8, memory at N=4 and N=8, bytes
-    assert text.count("1 (baseline)") == 2 * (2 + 1 + 4 + 4 + 1)
+    # per op: time (trace+compile, run), memory at N=4 (four columns), bytes
+    assert text.count("1 (baseline)") == 2 * (2 + 4 + 1)
     assert "| all_gather_matmul/uni/c4 | 4 | 12 |" in text  # chunks, permutes at N=4
-    assert "Peak memory per device, N=4" in text and "Peak memory per device, N=8" in text
+    assert "Peak memory per device, N=4" in text and "Trace and compile at" not in text
     assert "| matmul_reduce_scatter/uni | bfloat16 | bfloat16 |" in text
     assert "x computed, no token" in text and "two-direction steps serialised" in text
     assert "targets" not in result
