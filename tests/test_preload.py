@@ -100,3 +100,17 @@ def test_a_fork_killed_by_a_signal_is_reported_as_such():
 
     with pytest.raises(xp.MeshError, match="was killed by SIGABRT"):
         xp.run_on_mesh(abort, n=2)
+
+
+def test_launches_from_two_threads_at_once():
+    """One launch forks the zygote; the other, finding it busy, starts a new interpreter."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda n: xp.run_on_mesh(what_the_device_process_sees, [], n=n),
+                             (2, 3)))  # fmt: skip
+    assert [len(ranks) for ranks in runs] == [2, 3]
+    for ranks in runs:
+        for rank, r in enumerate(ranks):
+            assert torch.equal(r["x"], torch.arange(4.0) * (rank + 1))
+    assert runs[0][0]["pid"] != runs[1][0]["pid"]

@@ -88,6 +88,8 @@ class ForkedProcess:
                 self.returncode = self._zygote.receive(timeout)["returncode"]
             except TimeoutError:
                 raise subprocess.TimeoutExpired("forked device process", timeout) from None
+            except ConnectionError:  # the zygote died (killed): its fork went with it
+                self.returncode = -signal.SIGKILL
             self._zygote.lock.release()
         return self.returncode
 
@@ -187,17 +189,18 @@ def start_process(
     global _zygote
     if os.environ.get(PRELOAD_ENV, "1").strip() != "0" and hasattr(socket, "send_fds"):
         with _zygote_lock:
+            stale = _zygote is not None and (
+                _zygote.key != _key(env) or _zygote.proc.poll() is not None
+            )
+            if stale and _zygote.lock.acquire(blocking=False):  # replaced only while idle
+                _zygote.close()
+                _zygote = None
             try:
-                if _zygote is not None and (
-                    _zygote.key != _key(env) or _zygote.proc.poll() is not None
-                ):
-                    _zygote.close()
-                    _zygote = None
                 if _zygote is None:
                     _zygote = _Zygote(env)
-                zygote = _zygote
             except (OSError, TimeoutError, ValueError):
-                zygote = _zygote = None
+                _zygote = None
+            zygote = _zygote if _zygote is not None and _zygote.key == _key(env) else None
         if zygote is not None and zygote.lock.acquire(blocking=False):
             try:
                 return zygote.fork(entry, argv, env)
