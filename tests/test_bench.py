@@ -21,7 +21,7 @@ from xla_permute.tools import bench
 from xla_permute.tools.bench import PRESETS, PROGRAMS, BenchConfig, BenchProgram
 from xla_permute.tools.bench.measure import bench_rank, memory_rank, read_memory_report
 from xla_permute.tools.bench.programs import MEMORY_PROGRAMS
-from xla_permute.tools.bench.run import account
+from xla_permute.tools.bench.run import account, memory_flags
 
 TINY = PRESETS["tiny"]
 SMOKE = BenchConfig(**{**vars(TINY), "scaling_n": 0})  # N=8 below, on the programs judged
@@ -179,6 +179,23 @@ def test_rings_at_their_memory_floor_on_8_devices(tmp_path):
     ring = "all_gather_matmul/uni"
     assert [permutes[ring], permutes[ring + "/c4"]] == [7, 28]
     assert peak[ring + "/c4"] < peak[ring] < peak["all_gather_matmul/baseline"]
+
+
+def test_memory_does_not_depend_on_llvm_optimisation(tmp_path, monkeypatch):
+    """The memory launches turn LLVM's optimizer off (memory_flags): the peaks are those of
+    XLA's default level, rank by rank."""
+    programs = [BenchProgram("matmul_reduce_scatter", "uni"), BenchProgram("all_gather_matmul",
+                "bi"), BenchProgram("all_gather_matmul", "uni", chunks=2)]  # fmt: skip
+    peaks = []
+    for level in ("", "--xla_backend_optimization_level=3"):  # 3: XLA's default
+        monkeypatch.setenv("XLA_FLAGS", level)
+        dump = tmp_path / f"level{len(peaks)}"
+        dump.mkdir()
+        flags = memory_flags(str(dump)) if level == "" else f"{level} --xla_dump_to={dump}"
+        out = run_on_mesh(memory_rank, programs, vars_of(TINY), str(dump), n=2,
+                          env={"XLA_FLAGS": flags, DEBUG_ENV: "0"})  # fmt: skip
+        peaks.append([{k: v["bytes"] for k, v in r["memory"].items()} for r in out])
+    assert peaks[0] == peaks[1] and len(peaks[0][0]) == 2 * len(programs)
 
 
 def test_trace_and_compile_at_a_second_mesh_size():
