@@ -188,10 +188,9 @@ def start_process(
     """
     global _zygote
     if os.environ.get(PRELOAD_ENV, "1").strip() != "0" and hasattr(socket, "send_fds"):
+        key = _key(env)
         with _zygote_lock:
-            stale = _zygote is not None and (
-                _zygote.key != _key(env) or _zygote.proc.poll() is not None
-            )
+            stale = _zygote is not None and (_zygote.key != key or _zygote.proc.poll() is not None)
             if stale and _zygote.lock.acquire(blocking=False):  # replaced only while idle
                 _zygote.close()
                 _zygote = None
@@ -200,7 +199,7 @@ def start_process(
                     _zygote = _Zygote(env)
             except (OSError, TimeoutError, ValueError):
                 _zygote = None
-            zygote = _zygote if _zygote is not None and _zygote.key == _key(env) else None
+            zygote = _zygote if _zygote is not None and _zygote.key == key else None
         if zygote is not None and zygote.lock.acquire(blocking=False):
             try:
                 return zygote.fork(entry, argv, env)
@@ -220,10 +219,16 @@ def start_process(
     )
 
 
-_CALL = (
-    "import importlib, sys; module, _, name = sys.argv[1].partition(':'); "
-    "getattr(importlib.import_module(module), name)(*sys.argv[2:])"
-)
+_CALL = "import sys; from xla_permute.preload import _call; _call(sys.argv[1], sys.argv[2:])"
+
+
+def _call(entry: str, argv: list[str]) -> None:
+    """Call ``entry`` (``"module:function"``) with the strings ``argv``: what a started
+    process runs, fork or fresh interpreter."""
+    import importlib
+
+    module, _, name = entry.partition(":")
+    getattr(importlib.import_module(module), name)(*argv)
 
 
 # --------------------------------------------------------------------------- the zygote
@@ -276,14 +281,12 @@ def _run_fork(request: dict[str, Any], fds: list[int]) -> None:
         os.environ.clear()
         os.environ.update(request["env"])
         sys.argv = ["-c", request["entry"], *request["argv"]]
-        import importlib
         import random
 
         random.seed()  # a fresh interpreter's generators differ from launch to launch
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        module, _, name = request["entry"].partition(":")
-        getattr(importlib.import_module(module), name)(*request["argv"])
+        _call(request["entry"], request["argv"])
         code = 0
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
