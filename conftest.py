@@ -59,13 +59,32 @@ class TutorialFile(pytest.File):
         self.runner: CellRunner | None = None
         self.failed_cell: str | None = None
         self.cells = code_cells(self.path)
-        for number, cell in enumerate(self.cells, start=1):
-            yield TutorialCell.from_parent(
+        self.collected = [
+            TutorialCell.from_parent(
                 self,
                 name=f"cell {number} [L{cell.line}]",
                 cell=cell,
                 last=number == len(self.cells),
             )
+            for number, cell in enumerate(self.cells, start=1)
+        ]
+        yield from self.collected
+
+    def next_tutorial(self) -> TutorialFile | None:
+        """The tutorial whose cells come right after this one's in the run, if any."""
+        items = self.session.items
+        after = [i for i, item in enumerate(items) if item.parent is self]
+        if not after or after[-1] + 1 == len(items):
+            return None
+        following = items[after[-1] + 1].parent
+        return following if isinstance(following, TutorialFile) else None
+
+    def start_kernel(self) -> None:
+        """Start this tutorial's kernel (it boots and warms up while other items run)."""
+        if self.runner is None:
+            self.runner = CellRunner(self.path, env=TUTORIAL_ENV)
+            self.session.config.add_cleanup(self.runner.close)
+        self.runner.start()
 
     def run_cell(self, item: TutorialCell) -> None:
         if self.failed_cell is not None:
@@ -75,6 +94,13 @@ class TutorialFile(pytest.File):
             self.session.config.add_cleanup(self.runner.close)
         try:
             self.runner.run(item.cell.index)
+            if item is self.collected[0]:
+                # The next tutorial's kernel boots beside this one's remaining cells (after
+                # the first, so that it does not share the machine with a page's opening
+                # measurement): about 8 s of imports that its first cells would wait for.
+                following = self.next_tutorial()
+                if following is not None:
+                    following.start_kernel()
             if item.last and self.runner.complete:  # every cell ran and passed: docs reuse it
                 cache_executed(self.runner)
         except BaseException:

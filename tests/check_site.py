@@ -22,19 +22,25 @@ and when the search page finds nothing for ``collective_permute``. Full-page scr
 each page at both widths go to ``--screenshots`` (a page taller than one PNG may be is cut into
 ``name.png``, ``name-2.png``, ...), and a screenshot set that does not cover the whole page
 fails the check. ``--self-test`` first checks pages made here to fail each check, and fails
-unless every one is caught by its own check.
+unless every one is caught by its own check. Pages are checked two at a time (``--browsers``),
+one headless Chromium each, the tallest first: their screenshots take most of the time.
 """
 
 from __future__ import annotations
 
 import argparse
 import base64
+import queue
 import struct
 import sys
 import tempfile
 import time
 import zlib
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from functools import partial
 from pathlib import Path
+from typing import Any
 from urllib.parse import unquote, urlparse
 
 WIDE, NARROW, HEIGHT = 1400, 420, 1000
@@ -392,34 +398,65 @@ def self_test(driver) -> list[str]:
     return failures
 
 
+def _check_site(driver, root: Path, rel: Path, shots: Path | None) -> list[str]:
+    navigation = rel.parts[0] in ("tutorials", "api.html") or rel.name == "index.html"
+    problems = check_page(driver, (root / rel).as_uri(), navigation=navigation, shots=shots)
+    return [f"{rel}: {p}" for p in problems]
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("site", type=Path, help="the built HTML (docs/_build/html)")
     parser.add_argument("--screenshots", type=Path, help="write PNGs of each page here")
     parser.add_argument("--self-test", action="store_true", help="first check broken pages")
+    parser.add_argument(
+        "--browsers", type=int, default=2, help="pages checked at once, one Chromium each"
+    )
     args = parser.parse_args(argv)
     root = args.site.resolve()
     if not (root / "index.html").exists():
         parser.error(f"{root} holds no index.html; build the docs first (make docs)")
     if args.screenshots:
         args.screenshots.mkdir(parents=True, exist_ok=True)
-    driver = _driver()
-    failures: list[str] = []
+    # Jobs, the tallest pages first (their screenshots take most of the time): each takes
+    # a driver and returns its problems. The self-test runs in one of the browsers too.
+    jobs: list[tuple[str, Callable[[Any], list[str]]]] = []
+    for page in sorted(pages(root), key=lambda p: -p.stat().st_size):
+        rel = page.relative_to(root)
+        shots = None
+        if args.screenshots:
+            shots = args.screenshots / str(rel.with_suffix("")).replace("/", "__")
+        jobs.append((str(rel), partial(_check_site, root=root, rel=rel, shots=shots)))
+    if args.self_test:
+        jobs.insert(1, ("self-test", self_test))
+    jobs.append(("search", partial(check_search, root=root)))
+
+    drivers: queue.Queue = queue.Queue()
+
+    def run(job: Callable[[Any], list[str]]) -> list[str]:
+        try:
+            driver = drivers.get_nowait()  # a browser another job left
+        except queue.Empty:
+            driver = _driver()
+        try:
+            return job(driver)
+        finally:
+            drivers.put(driver)
+
+    results: dict[str, list[str]] = {}
     try:
-        if args.self_test:
-            failures += self_test(driver)
-        for page in pages(root):
-            rel = page.relative_to(root)
-            navigation = rel.parts[0] in ("tutorials", "api.html") or rel.name == "index.html"
-            shots = None
-            if args.screenshots:
-                shots = args.screenshots / str(rel.with_suffix("")).replace("/", "__")
-            problems = check_page(driver, page.as_uri(), navigation=navigation, shots=shots)
-            print(f"{'ok ' if not problems else 'BAD'} {rel}")
-            failures += [f"{rel}: {p}" for p in problems]
-        failures += check_search(driver, root)
+        with ThreadPoolExecutor(max_workers=max(1, args.browsers)) as pool:
+            futures = {name: pool.submit(run, job) for name, job in jobs}
+            for name, future in futures.items():
+                results[name] = future.result()
     finally:
-        driver.quit()
+        while not drivers.empty():
+            drivers.get_nowait().quit()
+    failures: list[str] = []
+    for name, problems in sorted(results.items()):
+        if name.endswith(".html"):
+            print(f"{'ok ' if not problems else 'BAD'} {name}")
+        failures += problems
     for failure in failures:
         print(failure, file=sys.stderr)
     print(f"{len(failures)} problem(s)")

@@ -23,6 +23,7 @@ from typing import Any
 
 __all__ = [
     "EXECUTED_CACHE",
+    "WARM_UP",
     "CodeCell",
     "CellRunner",
     "cache_executed",
@@ -81,11 +82,19 @@ def excluded_cells(path: str | Path) -> list[int]:
     return out
 
 
+#: What a kernel started ahead of its notebook (:meth:`CellRunner.start`) runs before its first
+#: cell: the imports and the warm process of the mesh (:mod:`xla_permute.preload`) that the
+#: first cells would wait for otherwise. It leaves no name in the notebook's namespace.
+WARM_UP = "import xla_permute.launch as _warm; _warm.run_on_mesh(int, n=1); del _warm"
+
+
 class CellRunner:
     """Run one notebook's code cells in a single fresh kernel, in order.
 
-    The kernel starts at the first :meth:`run` and stops at :meth:`close`. A cell error raises
-    ``nbclient.exceptions.CellExecutionError`` with the cell's source and traceback.
+    The kernel starts at :meth:`start` (which returns at once: the kernel boots and runs
+    :data:`WARM_UP` while the caller goes on) or at the first :meth:`run`, and stops at
+    :meth:`close` (killed: nothing of the notebook runs after its last cell). A cell error
+    raises ``nbclient.exceptions.CellExecutionError`` with the cell's source and traceback.
     """
 
     def __init__(
@@ -104,19 +113,29 @@ class CellRunner:
             allow_errors=False,
             record_timing=False,  # cell metadata stays as read: the cache's key hashes it
             resources={"metadata": {"path": str(self.path.parent)}},
+            shutdown_kernel="immediate",
         )
         self._started = False
+        self._connected = False
         self.ran: list[int] = []  # cells that ran and passed, in order
         self.seconds = 0.0  # their total wall time
+
+    def start(self, warm_up: str = WARM_UP) -> None:
+        """Start the kernel process now, running ``warm_up`` as it boots; return at once."""
+        if not self._started:
+            self.client.km = self.client.create_kernel_manager()
+            self.client.extra_arguments = [f"--IPKernelApp.exec_lines={warm_up}"] * bool(warm_up)
+            self.client.start_new_kernel(env=self.env)
+            self._started = True
 
     def run(self, index: int) -> None:
         """Execute cell ``index`` (an index into all cells, as in :class:`CodeCell`)."""
         t0 = time.perf_counter()
         if not self._started:
-            self.client.km = self.client.create_kernel_manager()
-            self.client.start_new_kernel(env=self.env)
+            self.start(warm_up="")
+        if not self._connected:  # waits until the kernel (and its warm-up) is ready
             self.client.start_new_kernel_client()
-            self._started = True
+            self._connected = True
         self.client.execute_cell(self.nb.cells[index], index)
         self.seconds += time.perf_counter() - t0
         self.ran.append(index)
@@ -130,7 +149,7 @@ class CellRunner:
         """Shut the kernel down (a no-op when it never started)."""
         if self._started:
             self.client._cleanup_kernel()
-            self._started = False
+            self._started = self._connected = False
 
 
 def cache_executed(runner: CellRunner, cache_path: str | Path = EXECUTED_CACHE) -> None:

@@ -8,6 +8,7 @@ import sys
 import textwrap
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import rank_fns
@@ -15,6 +16,29 @@ import torch
 
 from xla_permute import MeshError, RankError, run_on_mesh
 from xla_permute.launch import mesh_environment
+
+
+def _launch_mismatched() -> tuple[BaseException | None, float]:
+    start = time.monotonic()
+    try:
+        run_on_mesh(rank_fns.rank_zero_skips_collective, n=4, timeout=120,
+                    env={"XLA_PERMUTE_PRELOAD": "0"})  # fmt: skip
+    except BaseException as e:  # the test asserts what it is
+        return e, time.monotonic() - start
+    return None, time.monotonic() - start
+
+
+@pytest.fixture(scope="module", autouse=True)
+def mismatched_launch(request):
+    """The launch of test_mismatched_collective_is_a_clear_bounded_error, started with the
+    module: its device process waits about 15 s for XLA's rendezvous to give up, idle, while
+    the other tests run (in a new interpreter: the warm process stays theirs)."""
+    name = "test_mismatched_collective_is_a_clear_bounded_error"
+    if not any(item.name == name for item in request.session.items):
+        yield None
+        return
+    with ThreadPoolExecutor(1) as pool:
+        yield pool.submit(_launch_mismatched)
 
 
 def test_results_come_back_in_rank_order_and_on_cpu():
@@ -207,12 +231,12 @@ def test_rank_error_names_rank_and_keeps_original():
     assert isinstance(e.value.__cause__, ValueError)
 
 
-def test_mismatched_collective_is_a_clear_bounded_error():
-    start = time.monotonic()
-    with pytest.raises(MeshError, match="mismatched collectives") as e:
-        run_on_mesh(rank_fns.rank_zero_skips_collective, n=4, timeout=120)
-    assert "SIGABRT" in str(e.value) and "rendezvous" in str(e.value)
-    assert time.monotonic() - start < 120
+def test_mismatched_collective_is_a_clear_bounded_error(mismatched_launch):
+    error, seconds = mismatched_launch.result()
+    assert isinstance(error, MeshError), error
+    assert "mismatched collectives" in str(error)
+    assert "SIGABRT" in str(error) and "rendezvous" in str(error)
+    assert seconds < 120
 
 
 def test_abort_message_names_the_usual_causes_and_their_fixes():

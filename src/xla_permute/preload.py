@@ -15,7 +15,8 @@ its own environment. So a launch whose environment differs from the zygote's in 
 other than :data:`LAUNCH_VARIABLES` (read by torch_xla, XLA and this package, none of them
 imported in the zygote) gets a new zygote. The zygote imports nothing of this package (it
 runs this file by path), so the package's modules are imported fresh in every fork.
-``XLA_PERMUTE_PRELOAD=0`` starts a fresh interpreter for every launch instead; a zygote that
+``XLA_PERMUTE_PRELOAD=0`` in a launch's environment (this process's, or ``run_on_mesh``'s
+``env``) starts a fresh interpreter for that launch instead; a zygote that
 cannot start, or is busy with another thread's launch, is bypassed the same way.
 
 This file imports only the standard library at the top: the zygote runs it by path.
@@ -63,8 +64,8 @@ LAUNCH_VARIABLES = frozenset(
         "XLA_PERMUTE_PRELOAD",
     }
 )
-#: The switch (``XLA_PERMUTE_PRELOAD=0`` in this process's environment starts a fresh
-#: interpreter for every launch).
+#: The switch (``XLA_PERMUTE_PRELOAD=0`` in a launch's environment starts a fresh interpreter
+#: for it).
 PRELOAD_ENV = "XLA_PERMUTE_PRELOAD"
 _READY_TIMEOUT = 300.0  # seconds for the zygote's imports, on a loaded machine
 
@@ -187,7 +188,7 @@ def start_process(
     and has text pipes as ``stdout`` and ``stderr``.
     """
     global _zygote
-    if os.environ.get(PRELOAD_ENV, "1").strip() != "0" and hasattr(socket, "send_fds"):
+    if env.get(PRELOAD_ENV, "1").strip() != "0" and hasattr(socket, "send_fds"):
         key = _key(env)
         with _zygote_lock:
             stale = _zygote is not None and (_zygote.key != key or _zygote.proc.poll() is not None)

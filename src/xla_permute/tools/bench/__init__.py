@@ -43,8 +43,9 @@ Every figure names the backend that produced it:
 
 The launches: one ``N``-device mesh runs the emulated programs on every rank, then times the
 native trace and compile on rank 0 alone; two per mesh size (``n`` and ``scaling_n``)
-compile the native programs with XLA's dumps on (with and without the token); one
-``scaling_n``-device mesh times trace and compile again.
+compile the native programs with XLA's dumps on (with and without the token), two of these
+launches at a time (they time nothing); one ``scaling_n``-device mesh times trace and compile
+again, alone.
 Compiles are small and every emulated program is compiled by its warm-up run before any timed
 run, so no rank arrives late at a rendezvous.
 

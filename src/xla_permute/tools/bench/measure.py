@@ -201,10 +201,14 @@ _compiled: dict[tuple[str, str], dict[str, Any]] = {}  # (mode, traced HLO) -> m
 
 
 def memory_rank(
-    programs: Sequence[BenchProgram], cfg: dict[str, int], dump_dir: str
+    programs: Sequence[BenchProgram],
+    cfg: dict[str, int],
+    dump_dir: str,
+    modes: Sequence[str] = X_MODES,
 ) -> dict[str, Any]:
     """Rank function (run with ``XLA_FLAGS=--xla_dump_to=dump_dir``): each rank in turn (rank
-    0 first; the others wait) compiles each native program once per x mode and reads the
+    0 first; the others wait) compiles each native program once per x mode (``modes``, of
+    :data:`~xla_permute.tools.bench.programs.X_MODES`) and reads the
     memory report that compile wrote. The collective-matmul programs differ between ranks (the
     order in which a rank's blocks are concatenated depends on its rank), so every rank's is
     compiled; a program identical to an earlier rank's (the baselines) is taken from XLA's
@@ -223,7 +227,7 @@ def memory_rank(
     with _turn:
         _turn.wait_for(lambda: _next_rank[0] == rank)
     try:
-        return _compile_for_memory(programs, cfg, dump_dir)
+        return _compile_for_memory(programs, cfg, dump_dir, modes)
     finally:
         with _turn:
             _next_rank[0] += 1
@@ -231,7 +235,7 @@ def memory_rank(
 
 
 def _compile_for_memory(
-    programs: Sequence[BenchProgram], cfg: dict[str, int], dump_dir: str
+    programs: Sequence[BenchProgram], cfg: dict[str, int], dump_dir: str, modes: Sequence[str]
 ) -> dict[str, Any]:
     import torch_xla
 
@@ -239,7 +243,9 @@ def _compile_for_memory(
 
     out: dict[str, Any] = {}
     texts: dict[str, str] = {}
-    for mode in X_MODES:
+    if unknown := set(modes) - set(X_MODES):
+        raise ValueError(f"modes: {sorted(unknown)} are not x modes; choose from {X_MODES}")
+    for mode in modes:
         for p in programs:
             x, w = inputs(p, cfg["m"], cfg["k"], cfg["f"], mode, seed=None)
             before = set(os.listdir(dump_dir))

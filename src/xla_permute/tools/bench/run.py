@@ -14,6 +14,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
@@ -37,6 +38,9 @@ from xla_permute.tools.bench.programs import (
 from xla_permute.tools.bench.report import checks, ratios
 
 __all__ = ["BACKENDS", "print_progress", "run_bench"]
+
+#: Memory launches (compile only, nothing timed) that run side by side.
+MEMORY_LAUNCHES_AT_ONCE = 2
 
 #: Which backend produced each figure of a result (also printed by the report).
 BACKENDS = {
@@ -128,16 +132,27 @@ def run_bench(
         bench_rank, progs, cfg, run=True, native=True, n=config.n, env=default_env,
     )  # fmt: skip
     sizes = memory_sizes(config)
-    by_size: dict[int, dict[str, Any]] = {size: {} for size in sizes}
-    for size in sizes:
-        for variant, value in TOKEN_VARIANTS.items():
-            with tempfile.TemporaryDirectory(prefix="xla_permute_bench_dump_") as dump:
-                flags = memory_flags(dump)
-                by_size[size][variant] = launch(
-                    f"native compiles with XLA dumps, {TOKEN_ENV}={value}",
-                    memory_rank, progs + list(MEMORY_PROGRAMS), cfg, dump, n=size,
-                    env={"XLA_FLAGS": flags, TOKEN_ENV: value, **no_check},
-                )  # fmt: skip
+
+    def memory_launch(size: int, variant: str) -> Any:
+        value = TOKEN_VARIANTS[variant]
+        with tempfile.TemporaryDirectory(prefix="xla_permute_bench_dump_") as dump:
+            return launch(
+                f"native compiles with XLA dumps, N={size}, {TOKEN_ENV}={value}",
+                memory_rank, progs + list(MEMORY_PROGRAMS), cfg, dump, n=size,
+                env={"XLA_FLAGS": memory_flags(dump), TOKEN_ENV: value, **no_check},
+            )  # fmt: skip
+
+    # The memory launches only compile, one rank at a time (memory_rank), and time nothing:
+    # two of them at once use both cores of a small machine.
+    with ThreadPoolExecutor(max_workers=MEMORY_LAUNCHES_AT_ONCE) as pool:
+        futures = {
+            (size, variant): pool.submit(memory_launch, size, variant)
+            for size in sizes
+            for variant in TOKEN_VARIANTS
+        }
+        by_size: dict[int, dict[str, Any]] = {size: {} for size in sizes}
+        for (size, variant), future in futures.items():
+            by_size[size][variant] = future.result()
     memory = by_size[config.n]
     scaling_raw = None
     if config.scaling_n:
