@@ -146,7 +146,7 @@ class CellRunner:
         return self.ran == [i for i, c in enumerate(self.nb.cells) if c.cell_type == "code"]
 
     def close(self) -> None:
-        """Shut the kernel down (a no-op when it never started)."""
+        """Stop the kernel, at once (a no-op when it never started)."""
         if self._started:
             self.client._cleanup_kernel()
             self._started = self._connected = False

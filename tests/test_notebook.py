@@ -76,6 +76,37 @@ def test_failing_cell_raises_and_names_itself(tmp_path):
         runner.close()
 
 
+def test_a_kernel_started_ahead_is_warm_and_its_namespace_clean(tmp_path):
+    """A kernel started ahead of its notebook (the collector starts the next tutorial's) has
+    imported the launcher and started the mesh's warm process, and shows the first cell the
+    same names, execution count and output as a kernel started by that cell."""
+    nb = tmp_path / "page.md"
+    nb.write_text(
+        "---\nkernelspec:\n  name: python3\n  display_name: Python 3\n---\n# t\n\n"
+        "```{code-cell} ipython3\nimport sys\n"
+        "print(sorted(n for n in dir() if not n.startswith('__')))\n"
+        "preload = sys.modules.get('xla_permute.preload')\n"
+        "warm = preload is not None and preload._zygote is not None\n```\n\n"
+        "```{code-cell} ipython3\nwarm\n```\n"
+    )
+    seen = []
+    for ahead in (True, False):
+        runner = CellRunner(nb)
+        try:
+            if ahead:
+                runner.start()
+            for cell in code_cells(nb):
+                runner.run(cell.index)
+            cells = [c for c in runner.nb.cells if c.cell_type == "code"]
+            seen.append([(c.execution_count, c.outputs) for c in cells])
+        finally:
+            runner.close()
+    (names_ahead, warm_ahead), (names_cold, warm_cold) = seen
+    assert names_ahead == names_cold and "_warm" not in names_ahead[1][0]["text"]
+    assert warm_ahead[1][0]["data"]["text/plain"] == "True"
+    assert warm_cold[1][0]["data"]["text/plain"] == "False"
+
+
 def _undefined_mesh_functions(path: Path) -> list[tuple[int, str]]:
     """``(line, name)`` of every ``run_on_mesh(name, ...)`` whose ``def name`` is not in that
     cell or an earlier one of the page."""
