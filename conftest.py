@@ -67,6 +67,28 @@ def docs_build(request, tmp_path_factory):
         proc.kill()  # a no-op when the test has waited for it
 
 
+def tutorial_after(item: pytest.Item) -> TutorialFile | None:
+    """The tutorial whose cells come right after the items of ``item``'s parent, if any."""
+    items = item.session.items
+    mine = [i for i, other in enumerate(items) if other.parent is item.parent]
+    following = items[mine[-1] + 1].parent if mine[-1] + 1 < len(items) else None
+    return following if isinstance(following, TutorialFile) else None
+
+
+def start_next_kernel(item: pytest.Item) -> None:
+    following = tutorial_after(item)
+    if following is not None:
+        following.start_kernel()
+
+
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """At the first test of the module that the first tutorial follows, start its kernel."""
+    if not isinstance(item, TutorialCell) and item is next(
+        other for other in item.session.items if other.parent is item.parent
+    ):
+        start_next_kernel(item)
+
+
 def pytest_collect_file(parent: pytest.Collector, file_path: Path) -> pytest.Collector | None:
     if file_path.suffix == ".md" and (file_path.parent == TUTORIALS or file_path in PAGES):
         return TutorialFile.from_parent(parent, path=file_path)
@@ -89,15 +111,6 @@ class TutorialFile(pytest.File):
         ]
         yield from self.collected
 
-    def next_tutorial(self) -> TutorialFile | None:
-        """The tutorial whose cells come right after this one's in the run, if any."""
-        items = self.session.items
-        after = [i for i, item in enumerate(items) if item.parent is self]
-        if not after or after[-1] + 1 == len(items):
-            return None
-        following = items[after[-1] + 1].parent
-        return following if isinstance(following, TutorialFile) else None
-
     def start_kernel(self) -> None:
         """Start this tutorial's kernel (it boots and warms up while other items run)."""
         if self.runner is None:
@@ -117,9 +130,7 @@ class TutorialFile(pytest.File):
                 # The next tutorial's kernel boots beside this one's remaining cells (after
                 # the first, so that it does not share the machine with a page's opening
                 # measurement): about 8 s of imports that its first cells would wait for.
-                following = self.next_tutorial()
-                if following is not None:
-                    following.start_kernel()
+                start_next_kernel(item)
             if item.last and self.runner.complete:  # every cell ran and passed: docs reuse it
                 cache_executed(self.runner)
         except BaseException:

@@ -4,6 +4,7 @@ output, and a process of its own each time."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -66,6 +67,29 @@ def test_a_variable_read_at_import_gets_a_new_zygote():
     assert out[0]["env"] == env
     assert before is not None and preload._zygote is not before
     assert ("XLA_PERMUTE_TEST_VARIABLE", "1") in preload._zygote.key
+
+
+IMPORT_TORCH_XLA = """
+import json, os
+before = dict(os.environ)
+import torch_xla
+changed = {k for k in os.environ.keys() | before.keys() if os.environ.get(k) != before.get(k)}
+print(json.dumps(sorted(changed)))
+"""
+
+
+def test_importing_torch_xla_changes_only_launch_variables(tmp_path):
+    """A process that launches, imports torch_xla, and launches again uses one zygote: what
+    the import sets is launch variables only (seen in a fork that imports it)."""
+    script = tmp_path / "import_torch_xla.py"
+    script.write_text(IMPORT_TORCH_XLA)
+    env = {**os.environ, "PJRT_DEVICE": "CPU"}
+    for name in ("GRPC_VERBOSITY", "PJRT_DYNAMIC_PLUGINS"):  # set if torch_xla is imported here
+        env.pop(name, None)
+    with preload.start_process("runpy:run_path", [str(script)], env) as proc:
+        changed = json.loads(proc.stdout.read())
+    assert "GRPC_VERBOSITY" in changed  # the import sets variables ...
+    assert set(changed) <= preload.LAUNCH_VARIABLES  # ... none of which needs a new zygote
 
 
 def test_results_and_errors_are_the_same_with_the_preload_off(monkeypatch):

@@ -49,10 +49,14 @@ PRELOAD = (
 )
 #: The variables a launch may set differently from the zygote's environment, because no
 #: import of the :data:`PRELOAD` modules reads them (torch_xla, XLA and this package do;
-#: pytest changes ``PYTEST_CURRENT_TEST`` for every test).
+#: importing torch_xla sets ``GRPC_VERBOSITY``, ``PJRT_DYNAMIC_PLUGINS``, ``XLA_FLAGS`` and
+#: ``TF_CPP_MIN_LOG_LEVEL`` in the importing process; pytest changes ``PYTEST_CURRENT_TEST``
+#: for every test).
 LAUNCH_VARIABLES = frozenset(
     {
         "PJRT_DEVICE",
+        "PJRT_DYNAMIC_PLUGINS",
+        "GRPC_VERBOSITY",
         "CPU_NUM_DEVICES",
         "XLA_THREAD_POOL_SIZE",
         "TF_CPP_MIN_LOG_LEVEL",
