@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs docs-check lint bench doctor clean
+.PHONY: demo test docs browser docs-check lint bench doctor clean
 
 # Debian packages for the browser check (installed by docs-check when missing).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -28,11 +28,14 @@ test: $(STAMP)
 docs: $(STAMP)
 	$(BIN)/sphinx-build -T -n -W --keep-going -b html docs docs/_build/html
 
-# The executed site, opened page by page in headless Chromium (tests/check_site.py).
-docs-check: docs
+# Debian's Chromium and ChromeDriver, for the browser check, when they are missing.
+browser:
 	command -v chromium >/dev/null && command -v chromedriver >/dev/null || \
 	  ($(SUDO) apt-get update -qq && \
 	   DEBIAN_FRONTEND=noninteractive $(SUDO) apt-get install -y -qq chromium chromium-driver)
+
+# The executed site, opened page by page in headless Chromium (tests/check_site.py).
+docs-check: docs browser
 	$(BIN)/python tests/check_site.py docs/_build/html --self-test \
 	  --screenshots docs/_build/screenshots
 
