@@ -208,9 +208,23 @@ def png_text(data: bytes) -> dict[str, str]:
     return out
 
 
+#: CSS transitions off: a capture beyond the viewport resizes it, and the theme's sidebars,
+#: caught mid-transition, overlapped the article in the screenshots (the page itself was fine).
+_NO_TRANSITIONS_JS = """
+if (!document.getElementById("check-site-still")) {
+  const style = document.createElement("style");
+  style.id = "check-site-still";
+  style.textContent = "*, *::before, *::after {transition: none !important; "
+    + "animation: none !important}";
+  document.head.appendChild(style);
+}
+"""
+
+
 def screenshot(driver, path: Path, tile: int = TILE) -> list[str]:
     """Save the whole page at the current width (several PNGs if it is taller than ``tile``);
     problems: the saved PNGs do not cover the page."""
+    driver.execute_script(_NO_TRANSITIONS_JS)
     width = driver.execute_script("return window.innerWidth")
     height = driver.execute_script("return document.documentElement.scrollHeight")
     for old in [path, *path.parent.glob(f"{path.stem}-[0-9]*.png")]:
