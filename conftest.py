@@ -100,45 +100,43 @@ class TutorialFile(pytest.File):
         self.runner: CellRunner | None = None
         self.failed_cell: str | None = None
         self.cells = code_cells(self.path)
-        self.collected = [
-            TutorialCell.from_parent(
+        for number, cell in enumerate(self.cells, start=1):
+            yield TutorialCell.from_parent(
                 self,
                 name=f"cell {number} [L{cell.line}]",
                 cell=cell,
                 last=number == len(self.cells),
             )
-            for number, cell in enumerate(self.cells, start=1)
-        ]
-        yield from self.collected
 
-    def start_kernel(self) -> None:
-        """Start this tutorial's kernel (it boots and warms up while other items run)."""
+    def _runner(self) -> CellRunner:
         if self.runner is None:
             self.runner = CellRunner(self.path, env=TUTORIAL_ENV)
             self.session.config.add_cleanup(self.runner.close)
-        self.runner.start()
+        return self.runner
+
+    def start_kernel(self) -> None:
+        """Start this tutorial's kernel (it boots and warms up while other items run)."""
+        self._runner().start()
 
     def run_cell(self, item: TutorialCell) -> None:
         if self.failed_cell is not None:
             pytest.skip(f"not run: an earlier cell ({self.failed_cell}) failed")
-        if self.runner is None:
-            self.runner = CellRunner(self.path, env=TUTORIAL_ENV)
-            self.session.config.add_cleanup(self.runner.close)
+        runner = self._runner()
         try:
-            self.runner.run(item.cell.index)
-            if item is self.collected[0]:
+            runner.run(item.cell.index)
+            if item.cell is self.cells[0]:
                 # The next tutorial's kernel boots beside this one's remaining cells (after
                 # the first, so that it does not share the machine with a page's opening
                 # measurement): about 8 s of imports that its first cells would wait for.
                 start_next_kernel(item)
-            if item.last and self.runner.complete:  # every cell ran and passed: docs reuse it
-                cache_executed(self.runner)
+            if item.last and runner.complete:  # every cell ran and passed: docs reuse it
+                cache_executed(runner)
         except BaseException:
             self.failed_cell = item.name
             raise
         finally:
             if item.last:
-                self.runner.close()
+                runner.close()
 
 
 class TutorialCell(pytest.Item):

@@ -124,7 +124,8 @@ class CellRunner:
         """Start the kernel process now, running ``warm_up`` as it boots; return at once."""
         if not self._started:
             self.client.km = self.client.create_kernel_manager()
-            self.client.extra_arguments = [f"--IPKernelApp.exec_lines={warm_up}"] * bool(warm_up)
+            if warm_up:  # run by the kernel as it boots, before it reports ready
+                self.client.extra_arguments = [f"--IPKernelApp.exec_lines={warm_up}"]
             self.client.start_new_kernel(env=self.env)
             self._started = True
 

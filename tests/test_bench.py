@@ -10,11 +10,10 @@ import contextlib
 import io
 import json
 import math
-import os
 
 import pytest
 
-from xla_permute import run_on_mesh
+from xla_permute import RankError, run_on_mesh
 from xla_permute.__main__ import main
 from xla_permute.debug import ENV as DEBUG_ENV
 from xla_permute.tools import bench
@@ -166,10 +165,9 @@ def test_rings_at_their_memory_floor_on_8_devices(tmp_path):
     """What the bench's default run checks at N=8, on the programs those checks judge: the
     same compile (memory_rank, token on), the same figure (largest rank over largest rank),
     for x a program input (what they judge)."""
-    flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_dump_to={tmp_path}".strip()
     per_rank = run_on_mesh(
         memory_rank, N8_PROGRAMS, vars_of(TINY), str(tmp_path), ("input",), n=8,
-        env={"XLA_FLAGS": flags, DEBUG_ENV: "0"},
+        env={"XLA_FLAGS": memory_flags(str(tmp_path)), DEBUG_ENV: "0"},
     )  # fmt: skip
     assert all(key.endswith("|input") for key in per_rank[0]["memory"])
     memory = [r["memory"] for r in per_rank]
@@ -181,6 +179,12 @@ def test_rings_at_their_memory_floor_on_8_devices(tmp_path):
     ring = "all_gather_matmul/uni"
     assert [permutes[ring], permutes[ring + "/c4"]] == [7, 28]
     assert peak[ring + "/c4"] < peak[ring] < peak["all_gather_matmul/baseline"]
+
+
+def test_memory_rank_refuses_an_unknown_x_mode(tmp_path):
+    with pytest.raises(RankError, match=r"modes: \['output'\] are not x modes"):
+        run_on_mesh(memory_rank, N8_PROGRAMS, vars_of(TINY), str(tmp_path), ("output",), n=2,
+                    env={"XLA_FLAGS": memory_flags(str(tmp_path)), DEBUG_ENV: "0"})  # fmt: skip
 
 
 def test_memory_does_not_depend_on_llvm_optimisation(tmp_path, monkeypatch):

@@ -223,6 +223,8 @@ def memory_rank(
     """
     import torch_xla.runtime as xr
 
+    if unknown := set(modes) - set(X_MODES):
+        raise ValueError(f"modes: {sorted(unknown)} are not x modes; choose from {X_MODES}")
     rank = xr.global_ordinal()
     with _turn:
         _turn.wait_for(lambda: _next_rank[0] == rank)
@@ -243,8 +245,6 @@ def _compile_for_memory(
 
     out: dict[str, Any] = {}
     texts: dict[str, str] = {}
-    if unknown := set(modes) - set(X_MODES):
-        raise ValueError(f"modes: {sorted(unknown)} are not x modes; choose from {X_MODES}")
     for mode in modes:
         for p in programs:
             x, w = inputs(p, cfg["m"], cfg["k"], cfg["f"], mode, seed=None)
