@@ -11,7 +11,6 @@ then shows these outputs instead of executing the tutorial a second time.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -47,24 +46,6 @@ TUTORIAL_ENV.setdefault("PJRT_DEVICE", "CPU")
 TUTORIALS = Path(__file__).parent / "tutorials"
 #: Executable pages outside tutorials/: the landing page's example runs as a test too.
 PAGES = {Path(__file__).parent / "docs" / "index.md"}
-
-
-@pytest.fixture(scope="session", autouse=True)
-def docs_build(request, tmp_path_factory):
-    """The docs build of tests/test_docs.py (``-n -W``, tutorials not executed), started with
-    the session: a process of its own, on one core for about 17 s, that runs beside the mesh
-    tests instead of after them. Yields ``(process, html_dir)``, or None when that test is
-    not selected."""
-    if not any(item.name == "test_docs_build_without_warnings" for item in request.session.items):
-        yield None
-        return
-    out = tmp_path_factory.mktemp("docs_build")
-    cmd = [sys.executable, "-m", "sphinx", "-n", "-W", "--keep-going", "-q", "-b", "html"]
-    cmd += ["-D", "nb_execution_mode=off", "-d", str(out / "doctrees")]
-    cmd += [str(Path(__file__).parent / "docs"), str(out / "html")]
-    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True) as proc:
-        yield proc, out / "html"
-        proc.kill()  # a no-op when the test has waited for it
 
 
 def tutorial_after(item: pytest.Item) -> TutorialFile | None:
