@@ -24,10 +24,10 @@ demo: $(STAMP)
 
 # The test modules run on two workers, a module each (pytest-xdist): a launch spends much of
 # its time waiting (process starts, XLA's rendezvous, torchrun), so two share the 2 cores
-# well (pytest 957 s -> about 820 s). The tutorials run after them, one at a time on a
-# machine of their own: their outputs are the docs' published measurements; so does
-# tests/test_reliability.py: its launch failed once in six runs beside another module
-# (unexplained; never in a serial run).
+# well (pytest 957 s -> 830 s on 2 cores). The tutorials run after them, one at a time on a
+# machine of their own: their outputs are the docs' published measurements. So does
+# tests/test_reliability.py: its launch failed in one of nine runs beside the other modules
+# (its output was lost; unexplained, and not seen again in 64 runs on a loaded machine).
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile tests src/xla_permute \
 	    --ignore tests/test_reliability.py
