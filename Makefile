@@ -26,8 +26,8 @@ demo: $(STAMP)
 # its time waiting (process starts, XLA's rendezvous, torchrun), so two share the 2 cores
 # well (pytest 957 s -> 830 s on 2 cores). The tutorials run after them, one at a time on a
 # machine of their own: their outputs are the docs' published measurements. So does
-# tests/test_reliability.py: its launch failed in one of nine runs beside the other modules
-# (its output was lost; unexplained, and not seen again in 64 runs on a loaded machine).
+# tests/test_reliability.py: its launch failed in the first of ten runs beside the other
+# modules (its output was lost; unexplained, and not seen again in 64 runs under load).
 test: $(STAMP)
 	$(BIN)/python -m pytest -n 2 --dist loadfile tests src/xla_permute \
 	    --ignore tests/test_reliability.py
