@@ -18,7 +18,7 @@ from xla_permute.attention import all_gather_attention, ring_attention
 from xla_permute.collectives import all_gather, reduce_scatter, sum_gradients
 
 # The debug mode: every collective first checks that all ranks pass the same arguments
-from xla_permute.debug import DisagreementError, debug_mode
+from xla_permute.debug import CompileError, DisagreementError, debug_mode
 
 # The CPU mesh: run a function on every device
 from xla_permute.launch import MeshError, RankError, run_on_mesh
@@ -134,6 +134,7 @@ __all__ = [
     "debug_mode",
     "decompose",
     "Decomposition",
+    "CompileError",
     "DisagreementError",
     "forms_complete_rings",
     "GatedMLP",

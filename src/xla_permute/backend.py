@@ -49,6 +49,7 @@ from typing import Literal
 import torch
 
 from xla_permute.comm import CommBackend, Handle, Ready
+from xla_permute.debug import check_not_compiling
 from xla_permute.pairs import Groups, Pairs, global_pairs, ring_pairs
 
 __all__ = [
@@ -101,8 +102,11 @@ def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBacke
     """Check that ``x`` is a tensor ``backend`` can send; return the backend (resolved).
 
     The checks run before anything is asked of a runtime: a CPU tensor without a process
-    group is refused without starting torch_xla.
+    group is refused without starting torch_xla. Inside ``torch.compile`` it raises
+    :class:`~xla_permute.debug.CompileError` first, naming the op
+    (:func:`~xla_permute.debug.check_not_compiling`).
     """
+    check_not_compiling()
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if backend not in BACKENDS:

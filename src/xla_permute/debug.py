@@ -1,25 +1,30 @@
-"""Debug mode: before a collective, check that every rank passes the same arguments.
+"""Agreement checks: before a collective, check that every rank passes the same arguments.
 
 XLA does not check that the ranks of a collective agree: a rank that passes a longer tensor,
-another dtype or other pairs makes the others read garbage or wait forever. In debug mode
-(``XLA_PERMUTE_DEBUG=1`` in the environment, or ``with xla_permute.debug_mode():`` on a rank)
-every collective of this package first all-gathers a small signature of its arguments (the op,
-every tensor's shape and dtype, the pairs, groups, backend and options) and compares them on
-the host. If two ranks differ, every rank raises :class:`DisagreementError`, naming the ranks
-and what differs::
+another dtype or other pairs makes the others read garbage or wait forever. A check all-gathers
+a small signature of the call's arguments (the op, every tensor's shape and dtype, the pairs,
+groups, backend and options) and compares them on the host. If two ranks differ, every rank
+raises :class:`DisagreementError`, naming the ranks and what differs::
 
     collective_permute: the ranks disagree on x.shape: rank 1 passes (3,), ranks 0, 2, 3 pass (2,)
 
-The default: on in the device process of :func:`xla_permute.run_on_mesh` (the CPU mesh, where
-programs are written), which sets ``XLA_PERMUTE_DEBUG=1`` unless the caller's environment or
-its ``env`` sets the variable; off elsewhere (TPU, Neuron, real processes) unless set. Turn it
-off (``XLA_PERMUTE_DEBUG=0``) to time a program known to be correct, as the bench does.
+How often, set by ``XLA_PERMUTE_DEBUG`` (or ``with xla_permute.debug_mode():`` on a rank):
 
-This is PyTorch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for this package. Its cost is one small
-all-gather per checked op, executed at once (the bench measures the ratio). The check runs in
-a program of its own, on a fresh collective token, so it is never part of the traced program;
-inside :func:`xla_permute.hlo.tracing` (traced, never run) it is skipped. Only the forward of an
-op is checked: its backward follows from it.
+* **sampled** (the default, ``XLA_PERMUTE_DEBUG`` unset or ``0``): each op is checked at its
+  1st, 2nd, 4th, 8th, ... call on a rank, so a mistake present from the start (a rank passing
+  bfloat16, uneven shards) raises at the first call, and a training loop pays almost nothing
+  after its first step (the bench measures it). The ranks call each op equally often, so they
+  all decide alike whether a call is checked. On every backend: TPU, Neuron and ``c10d`` too.
+* **debug mode** (``XLA_PERMUTE_DEBUG=1``): every call is checked. On by default in the device
+  process of :func:`xla_permute.run_on_mesh` (the CPU mesh, where programs are written), which
+  sets ``XLA_PERMUTE_DEBUG=1`` unless the caller's environment or its ``env`` sets the variable.
+  This is PyTorch's ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for this package.
+* **none** (``XLA_PERMUTE_DEBUG=none``): no check at all, to measure what the checks cost.
+
+A check costs one small all-gather, executed at once, in a program of its own on a fresh
+collective token, so it is never part of the traced program; inside
+:func:`xla_permute.hlo.tracing` (traced, never run) it is skipped. Only the forward of an op is
+checked: its backward follows from it.
 
 The signature has a fixed length for a given world size (the all-gather itself must agree):
 ``FIELDS`` fields of ``2 + payload`` int32 values each. Strings are CRC-32 codes (``zlib``,
@@ -35,6 +40,7 @@ True
 from __future__ import annotations
 
 import os
+import sys
 import threading
 import zlib
 from collections import Counter
@@ -42,13 +48,18 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+from xla_permute import mesh_status
+
 __all__ = [
     "ENV",
+    "CompileError",
     "DisagreementError",
+    "check_not_compiling",
     "check_agreement",
     "debug_mode",
     "describe_disagreement",
     "enabled",
+    "level",
     "signature",
     "signature_length",
 ]
@@ -72,22 +83,91 @@ class DisagreementError(ValueError):
     """The ranks passed different arguments to one collective (raised on every rank)."""
 
 
-def enabled() -> bool:
-    """True when the debug mode is on for this rank: :func:`debug_mode`, else ``ENV``."""
+class CompileError(RuntimeError):
+    """An op of this package was called inside ``torch.compile`` (raised on every rank)."""
+
+
+def _in_compiled_frame() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name.startswith("torch_dynamo_resume_in_") or any(
+            name.startswith("__compiled_fn") for name in code.co_names
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def check_not_compiling(op: str | None = None) -> None:
+    """Raise :class:`CompileError` when called under ``torch.compile``.
+
+    The ops keep per-rank state on the host (channel ids, the collective token, the agreement
+    checks) that Dynamo cannot trace: under ``torch.compile(backend="openxla")`` the mesh aborted
+    or every rank failed with "Failed to get computation by hash", also with the op excluded by
+    ``torch.compiler.disable``. Dynamo either traces the call (``torch.compiler.is_compiling()``)
+    or, after a graph break, runs it from the bytecode it rewrote, whose frames name its
+    ``__compiled_fn_*`` or ``torch_dynamo_resume_in_*`` functions; both are refused. Every rank
+    runs the same code, so every rank raises, before any collective.
+    """
+    import torch
+
+    if torch.compiler.is_compiling() or _in_compiled_frame():
+        frame = sys._getframe(1)
+        if op is None:  # the first public function of this package on the stack
+            while frame.f_back is not None and (
+                frame.f_code.co_name.startswith("_")
+                or frame.f_globals.get("__name__") == "xla_permute.backend"
+            ):
+                frame = frame.f_back
+            op = frame.f_code.co_name
+        raise CompileError(
+            f"{op} was called inside torch.compile, which this package does not support: its "
+            f"collectives keep per-rank state that Dynamo cannot trace. Call it outside the "
+            f"compiled function (compile only the math around it), or run without "
+            f"torch.compile: torch_xla's lazy tensors already compile each step into one XLA "
+            f"program at torch_xla.sync()"
+        )
+
+
+def level() -> str:
+    """This rank's check level: ``"all"`` (debug mode), ``"sampled"`` or ``"none"``."""
     override = getattr(_local, "enabled", None)
     if override is not None:
-        return override
+        return "all" if override else "sampled"
     value = os.environ.get(ENV, "").strip().lower()
     if value in _OFF:
-        return False
+        return "sampled"
     if value in _ON:
-        return True
-    raise ValueError(f"{ENV}={os.environ[ENV]!r}: set it to 1 (debug mode on) or 0 (off)")
+        return "all"
+    if value == "none":
+        return "none"
+    raise ValueError(
+        f"{ENV}={os.environ[ENV]!r}: set it to 1 (check every call), 0 (the default: check "
+        f"each op's 1st, 2nd, 4th, ... call) or none (no checks)"
+    )
+
+
+def enabled() -> bool:
+    """True when the debug mode (every call checked) is on for this rank."""
+    return level() == "all"
+
+
+def _checked(op: str) -> bool:
+    """Whether this call of ``op`` is checked at this rank's level (counts calls per rank)."""
+    mode = level()
+    if mode != "sampled":
+        return mode == "all"
+    counts = getattr(_local, "counts", None)
+    if counts is None:
+        counts = _local.counts = {}
+    count = counts[op] = counts.get(op, 0) + 1
+    return count & (count - 1) == 0  # 1, 2, 4, 8, ...
 
 
 @contextmanager
 def debug_mode(enabled: bool = True) -> Iterator[None]:
-    """Turn the debug mode on (or, ``enabled=False``, off) for the collectives in the block.
+    """Turn the debug mode on (or, ``enabled=False``, back to sampled checks) in the block.
 
     Call it on the rank (inside the function given to :func:`xla_permute.run_on_mesh`), on
     every rank alike; it holds for this rank's thread and overrides ``XLA_PERMUTE_DEBUG``.
@@ -149,6 +229,14 @@ def _encode(value: Any, size: int) -> tuple[int, list[int]]:
     return _TEXT, [_crc(repr(value))]
 
 
+def _learn_dtypes() -> None:
+    import torch
+
+    for value in vars(torch).values():
+        if isinstance(value, torch.dtype):
+            _crc(str(value))
+
+
 def _decode(kind: int, payload: Sequence[int]) -> str:
     if kind == _NONE:
         return "None"
@@ -157,6 +245,8 @@ def _decode(kind: int, payload: Sequence[int]) -> str:
     if kind == _INT:
         return str(payload[0])
     if kind == _TEXT:
+        if payload[0] not in _names:  # another process's text: dtypes are known everywhere
+            _learn_dtypes()
         return _names.get(payload[0], f"<crc32 {payload[0]:#010x}>")
     count, flat = payload[0], list(payload[1:])
     if kind == _INTS:
@@ -221,12 +311,13 @@ def check_agreement(
     error: Exception | None = None,
     backend: Any = None,
 ) -> None:
-    """In debug mode, raise :class:`DisagreementError` on every rank unless all ranks agree.
+    """Raise :class:`DisagreementError` on every rank unless all ranks agree (if this call is
+    checked: every call in debug mode, each op's 1st, 2nd, 4th, ... call by default).
 
     ``fields``: what every rank must pass alike (shapes as tuples, dtypes as ``str(dtype)``,
     checked pairs and groups, the backend, options). Call it after the argument checks and
     before the first collective (and before any shortcut that skips the collective, such as an
-    empty tensor). Outside debug mode, or inside :func:`xla_permute.hlo.tracing`, it does
+    empty tensor). On an unchecked call, or inside :func:`xla_permute.hlo.tracing`, it does
     nothing.
 
     ``error``: a check that failed on this rank alone (a tensor on another rank's device):
@@ -237,7 +328,9 @@ def check_agreement(
     carries the check: on XLA a program of its own (a channel id of its own, a fresh token),
     on ``c10d`` an all-gather on the default process group. Default: ``"auto"``.
     """
-    if not enabled():
+    check_not_compiling(op)
+    mesh_status.note_op(op)
+    if not _checked(op):
         if error is not None:
             raise error
         return
@@ -260,6 +353,6 @@ def check_agreement(
     if message is not None:
         rank = chosen.rank()
         raise DisagreementError(
-            f"{message} (xla_permute debug mode, on rank {rank} of {world_size}: every rank "
-            f"must pass the same to each collective, in the same order)"
+            f"{message} (xla_permute agreement check, on rank {rank} of {world_size}: every "
+            f"rank must pass the same to each collective, in the same order)"
         )

@@ -33,10 +33,12 @@ from __future__ import annotations
 import io
 import os
 import pickle
+import re
 import signal
 import sys
 import tempfile
 import threading
+import time
 import traceback
 import types
 from collections.abc import Callable, Mapping
@@ -45,12 +47,14 @@ from typing import Any
 
 import cloudpickle
 
-from xla_permute import preload, rank_output
+from xla_permute import mesh_status, preload, rank_output
 from xla_permute.debug import ENV as _DEBUG_ENV
 
 #: torch_xla's switch for donating updated parameters' buffers (off on the mesh, see
 #: :func:`mesh_environment`).
 _ALIASING_ENV = "XLA_ENABLE_PARAM_ALIASING"
+#: XLA's flag for LLVM's optimisation level (0 on the mesh, see :func:`mesh_environment`).
+_OPT_FLAG = "--xla_backend_optimization_level"
 
 __all__ = ["MeshError", "RankError", "mesh_environment", "run_on_mesh"]
 
@@ -162,6 +166,10 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
     # The CPU mesh is where programs are developed: ranks that disagree raise by default.
     if not out.get(_DEBUG_ENV, "").strip():
         out[_DEBUG_ENV] = "1"
+    # Each rank compiles its own program; LLVM's optimizer is most of a compile on XLA:CPU, and
+    # a rank whose compile ends more than 15 s after another's aborts the mesh.
+    if _OPT_FLAG not in out.get("XLA_FLAGS", ""):
+        out["XLA_FLAGS"] = f"{out.get('XLA_FLAGS', '')} {_OPT_FLAG}=0".strip()
     # Parameter aliasing deadlocks training loops on a mesh of threads (see the docstring).
     if not out.get(_ALIASING_ENV, "").strip():
         out[_ALIASING_ENV] = "0"
@@ -348,8 +356,8 @@ def run_on_mesh(
         if not finished:
             raise MeshError(
                 f"The {n}-device mesh running {name} did not finish within {timeout:g} s and "
-                f"was killed. {_MISMATCH_HINT}\n--- device process stderr (tail) ---\n"
-                f"{_tail(err)}"
+                f"was killed. {_diagnose(err, tmp, n)}{_MISMATCH_HINT}\n"
+                f"--- device process stderr (tail) ---\n{_tail(err)}"
             ) from None
         if not result_path.exists():
             how = (
@@ -359,7 +367,8 @@ def run_on_mesh(
             )
             raise MeshError(
                 f"The {n}-device mesh running {name} {how} before returning results. "
-                f"{_MISMATCH_HINT}\n--- device process stderr (tail) ---\n{_tail(err)}"
+                f"{_diagnose(err, tmp, n)}{_MISMATCH_HINT}\n"
+                f"--- device process stderr (tail) ---\n{_tail(err)}"
             )
         status, value = pickle.loads(result_path.read_bytes())
     if status == "ok":
@@ -370,6 +379,63 @@ def run_on_mesh(
             rank, f"rank {rank} of {n} raised {type_name}: {message}\n{tb}", original
         ) from original
     raise MeshError(f"The {n}-device mesh could not start {name}:\n{value}")
+
+
+_STUCK = re.compile(
+    r"\[id=(\d+)\] This thread has been waiting for `(.+?) RendezvousKey\{.*?op_id=(\d+)\}"
+)
+_TERMINATED = re.compile(
+    r"Termination timeout for `(.+?) RendezvousKey\{.*?op_id=(\d+)\}`.*?Expected (\d+) threads"
+    r".*?only (\d+) of them arrived"
+)
+
+
+def _diagnose(err: str, directory: str, n: int) -> str:
+    """What the abort says and what the ranks were doing: which collective, who waited at it,
+    who never came and where that rank was (:mod:`xla_permute.mesh_status`)."""
+    found = _TERMINATED.search(err)
+    if found is None:
+        return ""
+    kind, channel, expected, arrived = found.groups()
+    waiting = sorted({int(i) for i, k, c in _STUCK.findall(err) if (k, c) == (kind, channel)})
+    status = mesh_status.read(directory)
+    now = time.monotonic()
+    text = (
+        f"Diagnosis: XLA:CPU aborted an {kind} (channel id {channel}) that {arrived} of "
+        f"{expected} participants reached in time"
+    )
+    if waiting and int(expected) == n:
+        missing = [r for r in range(n) if r not in waiting]
+        text += f": {_plural('rank', waiting)} waited for {_plural('rank', missing)}"
+        for r in missing:
+            text += f". Rank {r} " + _describe(status.get(r), now)
+        others = [status[r]["sync_s"] for r in waiting if r in status and status[r]["sync_s"]]
+        if others:
+            text += f"; the waiting ranks' last syncs took {min(others):.1f}-{max(others):.1f} s"
+    return text + ". "
+
+
+def _describe(line: dict[str, Any] | None, now: float) -> str:
+    if line is None:
+        return "had not started its rank function"
+    op = f" (its last op of this package: {line['last_op']}, call {line['calls']})"
+    if not line["last_op"]:
+        op = " (it had called no op of this package)"
+    if line["state"] == "sync":
+        return (
+            f"was inside torch_xla.sync() for {now - line['since']:.1f} s, compiling or "
+            f"dispatching its program{op}: a compile far slower than the other ranks' (a large "
+            f"program on a loaded machine) or a sync the others did not make"
+        )
+    return f"was running Python code for {now - line['since']:.1f} s since its last sync{op}"
+
+
+def _join(ranks: list[int]) -> str:
+    return ", ".join(map(str, ranks))
+
+
+def _plural(word: str, ranks: list[int]) -> str:
+    return f"{word}{'s' if len(ranks) > 1 else ''} {_join(ranks)}"
 
 
 def _tail(text: str, lines: int = 25) -> str:
@@ -418,12 +484,16 @@ def _fail(rank: int, e: BaseException) -> None:
         os._exit(1)
 
 
-def _run_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+def _run_rank(payload: bytes) -> Any:
+    """Run the call on this rank with a copy of its own (unpickled here, on the rank's thread):
+    a module or tensor in the arguments or globals is never shared with another rank."""
     import torch_xla.runtime as xr
 
     rank = xr.global_ordinal()
     rank_output.set_rank(rank)
+    mesh_status.set_rank(rank)
     try:
+        fn, args, kwargs = pickle.loads(payload)
         value = fn(*args, **kwargs)
     except BaseException as e:  # noqa: BLE001 - every rank failure is reported, with its rank
         _fail(rank, e)
@@ -434,20 +504,51 @@ def _run_rank(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, A
                               f"tensors, numbers, strings and containers of them"))  # fmt: skip
 
 
+def _guard_syncs() -> None:
+    """Give every rank's ``torch_xla.sync()`` a pending scalar on the rank's own device.
+
+    torch_xla 2.9 waits, in a sync with nothing to run, for the device lock of a
+    default-constructed device: ``CPU:0``, rank 0's device on the mesh. While rank 0 executes a
+    collective (its lock held until the collective ends), a rank whose sync is empty (it
+    dropped its results, or every call since its last sync was refused) blocks there instead
+    of reaching the collective, and XLA:CPU aborts the process after 15 s (tutorial 04 has the
+    reproducer, in torch_xla alone). With one pending scalar on the rank's device the sync locks
+    that device only. The scalar is one more output of each step's program, the same on every
+    rank. The sync also records this rank's time in it (:mod:`xla_permute.mesh_status`).
+    """
+    import torch
+    import torch_xla
+
+    step_marker = torch_xla._XLAC._xla_step_marker
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        pending = torch.zeros((), device=torch_xla.device())  # noqa: F841 - held in the sync
+        mesh_status.enter_sync()
+        try:
+            return step_marker(*args, **kwargs)
+        finally:
+            mesh_status.leave_sync()
+
+    torch_xla._XLAC._xla_step_marker = guarded
+
+
 def _child_main(payload_path: str, result_path: str) -> None:
     """Entry point of the device process: run the payload once on every device thread."""
     global _result_path
     _result_path = Path(result_path)
+    mesh_status.start(_result_path.parent)
     rank_output.install()
     try:
-        fn, args, kwargs = pickle.loads(Path(payload_path).read_bytes())
+        payload = Path(payload_path).read_bytes()
+        pickle.loads(payload)  # a call that cannot be unpickled here is a start error
         from torch_xla._internal import pjrt
 
+        _guard_syncs()
         # What xmp.spawn runs in each host process: one thread per device, replication set.
         results = pjrt._run_thread_per_device(
             0,
             1,
-            lambda: _run_rank(fn, args, kwargs),
+            lambda: _run_rank(payload),
             initializer_fn=pjrt.initialize_multiprocess,
         )
         _write_result("ok", [results[r] for r in sorted(results)])
