@@ -112,7 +112,7 @@ def test_disagreement_raises_on_every_rank_naming_the_ranks(mesh, name):
         kind, message = rank[name]
         assert kind == D, f"rank {r}: {kind}: {message}"
         assert re.search(DISAGREE[name], message), f"rank {r}: {message!r}"
-        assert "debug mode" in message and f"on rank {r} of {N}" in message
+        assert "agreement check" in message and f"on rank {r} of {N}" in message
 
 
 def test_ranks_that_agree_get_the_reference_result(mesh):

@@ -252,3 +252,40 @@ def test_abort_message_names_the_usual_causes_and_their_fixes():
 def test_hang_is_killed_at_timeout():
     with pytest.raises(MeshError, match="did not finish within 3 s"):
         run_on_mesh(rank_fns.sleep_forever, n=2, timeout=3)
+
+
+def test_mesh_error_names_the_collective_the_missing_rank_and_where_it_was(tmp_path):
+    """The diagnosis of an abort: XLA's rendezvous lines and the ranks' status lines."""
+    import time
+
+    from xla_permute import launch, mesh_status
+
+    key = ("all gather RendezvousKey{run_id=RunId: 0, global_devices=[0,1,2,3], "
+           "num_local_participants=4, collective_op_kind=cross_module, op_id=3}")  # fmt: skip
+    err = "".join(
+        f"E rendezvous.cc:100] [id={r}] This thread has been waiting for `{key}` for 5 seconds "
+        f"and may be stuck. Expected 4 threads to join the rendezvous, but not all of them "
+        f"arrived on time.\n"
+        for r in (0, 1, 3)
+    ) + (
+        f"F rendezvous.cc:127] [id=0] Termination timeout for `{key}` of 10 seconds exceeded. "
+        f"Exiting to ensure a consistent program state. Expected 4 threads to join the "
+        f"rendezvous, but only 3 of them arrived on time.\n"
+    )
+    mesh_status.start(tmp_path)
+    for r in range(4):
+        mesh_status.set_rank(r)
+        mesh_status.note_op("all_gather_matmul")
+        mesh_status.enter_sync()
+        if r != 2:
+            mesh_status.leave_sync()
+    time.sleep(0.05)
+    text = launch._diagnose(err, str(tmp_path), 4)
+    mesh_status.start(None)  # back to doing nothing in this process
+    assert text.startswith(
+        "Diagnosis: XLA:CPU aborted an all gather (channel id 3) that 3 of 4 participants "
+        "reached in time: ranks 0, 1, 3 waited for rank 2. Rank 2 was inside torch_xla.sync() "
+        "for "
+    ), text
+    assert "(its last op of this package: all_gather_matmul, call 1)" in text
+    assert launch._diagnose("no abort here", str(tmp_path), 4) == ""

@@ -244,3 +244,33 @@ def test_the_default_check_catches_gloo_disagreements_on_every_rank(tmp_path):
         ]
         * 4
     )
+
+
+def _empty_syncs_while_rank_0_gathers() -> list[float]:
+    """torch_xla alone: ranks 1-3 sync with nothing to run while rank 0 is in an all-gather."""
+    import time
+
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+    import torch_xla.runtime as xr
+
+    dev, r, n = torch_xla.device(), xr.global_ordinal(), xr.world_size()
+    if r != 0:
+        time.sleep(1.0)  # rank 0 is inside the all-gather by now, holding its device's lock
+        torch_xla.sync()  # nothing to run on this rank
+    x = torch.full((2,), float(r)).to(dev)
+    g = xm.all_gather(x, pin_layout=False, channel_id=1, use_global_device_ids=True,
+                      groups=[list(range(n))])  # fmt: skip
+    return g.cpu().tolist()
+
+
+@pytest.mark.parametrize("guard", ["1", "0"])
+def test_a_sync_with_nothing_to_run_waits_for_rank_0_unless_guarded(guard):
+    env = {"XLA_PERMUTE_SYNC_GUARD": guard}
+    if guard == "1":
+        want = [float(r) for r in range(N) for _ in range(2)]
+        assert xp.run_on_mesh(_empty_syncs_while_rank_0_gathers, n=N, env=env) == [want] * N
+        return
+    with pytest.raises(xp.MeshError, match="SIGABRT") as raised:
+        xp.run_on_mesh(_empty_syncs_while_rank_0_gathers, n=N, env=env)
+    assert "Diagnosis: XLA:CPU aborted an all gather (channel id 1)" in str(raised.value)

@@ -166,4 +166,4 @@ def test_probe_behaves(mesh, name):
         assert kind == want_kind, f"rank {r}: {kind}: {message}"
         assert re.search(pattern, message), f"rank {r}: {message!r} !~ {pattern!r}"
         if kind == D:
-            assert "debug mode" in message and f"on rank {r} of {N}" in message
+            assert "agreement check" in message and f"on rank {r} of {N}" in message

@@ -59,6 +59,7 @@ __all__ = [
     "debug_mode",
     "describe_disagreement",
     "enabled",
+    "LEVELS",
     "level",
     "signature",
     "signature_length",
@@ -130,11 +131,14 @@ def check_not_compiling(op: str | None = None) -> None:
         )
 
 
+LEVELS = ("all", "sampled", "none")
+
+
 def level() -> str:
     """This rank's check level: ``"all"`` (debug mode), ``"sampled"`` or ``"none"``."""
-    override = getattr(_local, "enabled", None)
+    override = getattr(_local, "level", None)
     if override is not None:
-        return "all" if override else "sampled"
+        return override
     value = os.environ.get(ENV, "").strip().lower()
     if value in _OFF:
         return "sampled"
@@ -166,20 +170,26 @@ def _checked(op: str) -> bool:
 
 
 @contextmanager
-def debug_mode(enabled: bool = True) -> Iterator[None]:
-    """Turn the debug mode on (or, ``enabled=False``, back to sampled checks) in the block.
+def debug_mode(enabled: bool | str = True) -> Iterator[None]:
+    """Turn the debug mode on (``True``: every call checked) or off (``False``: back to the
+    sampled checks) for the collectives in the block; or name a level of :data:`LEVELS`
+    (``"none"``: no check, to measure what the checks cost).
 
     Call it on the rank (inside the function given to :func:`xla_permute.run_on_mesh`), on
     every rank alike; it holds for this rank's thread and overrides ``XLA_PERMUTE_DEBUG``.
     """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be True or False, got {enabled!r}")
-    previous = getattr(_local, "enabled", None)
-    _local.enabled = enabled
+    if isinstance(enabled, bool):
+        wanted = "all" if enabled else "sampled"
+    elif enabled in LEVELS:
+        wanted = enabled
+    else:
+        raise TypeError(f"enabled must be True, False or one of {LEVELS}, got {enabled!r}")
+    previous = getattr(_local, "level", None)
+    _local.level = wanted
     try:
         yield
     finally:
-        _local.enabled = previous
+        _local.level = previous
 
 
 def _crc(text: str) -> int:

@@ -58,28 +58,27 @@ _OPT_FLAG = "--xla_backend_optimization_level"
 
 __all__ = ["MeshError", "RankError", "mesh_environment", "run_on_mesh"]
 
+#: ``XLA_PERMUTE_SYNC_GUARD=0`` in a launch's environment turns the sync guard off
+#: (:func:`_guard_syncs`), to see torch_xla's own behaviour.
+SYNC_GUARD_ENV = "XLA_PERMUTE_SYNC_GUARD"
+
 #: Seconds after which a mesh run counts as hung (a collective that never completes).
 DEFAULT_TIMEOUT = 300.0
 
 _MISMATCH_HINT = (
-    "The likely cause is a collective rendezvous that could not complete. XLA:CPU aborts a "
-    "collective whose ranks arrive more than 15 s apart (5 s warning + 10 s). Causes: the "
-    "ranks issued mismatched collectives (a rank skipped one or issued them in another order, "
-    "with different shapes, groups or channel ids: the debug mode, on by default on the mesh, "
-    "XLA_PERMUTE_DEBUG=1, checks the collectives of xla_permute); XLA_THREAD_POOL_SIZE below "
-    "the device count; one rank compiling its program much later than another (each rank "
-    "compiles its own: a large program on a loaded machine; XLA_FLAGS="
-    "--xla_backend_optimization_level=0 compiles faster); in a step loop, results deleted "
-    "before torch_xla.sync() (keep them alive until after it, so that every rank executes the "
-    "same programs). A bare xm.wait_device_ops() inside a rank waits for all devices and "
-    "aborts the CPU mesh; wait for this rank's device only: "
-    "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()])) (the device's real name, "
-    "e.g. 'CPU:0'; its 'xla:0' name is refused). If the run set "
-    "XLA_ENABLE_PARAM_ALIASING=1 (run_on_mesh sets 0 unless asked), a training loop can "
-    "deadlock the device threads: torch_xla.sync() frees a parameter buffer donated to the "
-    "still-running step while holding the GIL, and the step waits in a collective for a rank "
-    "that needs the GIL (caveat param-aliasing-deadlock, tutorial 04); leave it unset or set "
-    "XLA_ENABLE_PARAM_ALIASING=0."
+    "XLA:CPU aborts a collective whose ranks arrive more than 15 s apart (5 s warning + 10 s). "
+    "Other causes, when the diagnosis names none: one rank compiling its program much later "
+    "than another (each rank compiles its own: a large program on a loaded machine; keep "
+    "per-rank data as device data so that the ranks' programs are identical, caveat "
+    "compile-skew-rendezvous); the ranks issuing mismatched collectives (a rank skipped one or "
+    "issued them in another order, or torch_xla's own collectives with different shapes, "
+    "groups or channel ids; this package's are checked, XLA_PERMUTE_DEBUG=1 checks every call); "
+    "XLA_THREAD_POOL_SIZE below the device count. A bare xm.wait_device_ops() inside a rank "
+    "waits for all devices and aborts the CPU mesh; wait for this rank's device only: "
+    "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()])). With "
+    "XLA_ENABLE_PARAM_ALIASING=1 (run_on_mesh sets 0 unless asked) a training loop can "
+    "deadlock the device threads (caveat param-aliasing-deadlock, tutorial 04): leave it "
+    "unset or set XLA_ENABLE_PARAM_ALIASING=0."
 )
 
 #: Variables that the mesh sets itself; ``env`` may not contradict them.
@@ -145,11 +144,17 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
     and optimizer states get new buffers instead of reusing the old ones (the bench measures
     it). Tutorial 04 has the reproducer and the conditions.
 
+    And it compiles with LLVM's optimizer off (``--xla_backend_optimization_level=0`` added to
+    ``XLA_FLAGS`` unless they set the level): each rank compiles its own program, and a rank
+    whose compile ends more than 15 s after another's aborts the mesh (caveat
+    ``compile-skew-rendezvous``); the optimizer is most of a compile on XLA:CPU, and buffer
+    assignment (the peak memory) comes before it.
+
     >>> e = mesh_environment(4)
     >>> e["PJRT_DEVICE"], e["CPU_NUM_DEVICES"], int(e["XLA_THREAD_POOL_SIZE"]) >= 4
     ('CPU', '4', True)
-    >>> e["XLA_ENABLE_PARAM_ALIASING"]
-    '0'
+    >>> e["XLA_ENABLE_PARAM_ALIASING"], "--xla_backend_optimization_level=0" in e["XLA_FLAGS"]
+    ('0', True)
     >>> off = {"XLA_PERMUTE_DEBUG": "0"}
     >>> mesh_environment(2)["XLA_PERMUTE_DEBUG"], mesh_environment(2, off)["XLA_PERMUTE_DEBUG"]
     ('1', '0')
@@ -166,10 +171,6 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
     # The CPU mesh is where programs are developed: ranks that disagree raise by default.
     if not out.get(_DEBUG_ENV, "").strip():
         out[_DEBUG_ENV] = "1"
-    # Each rank compiles its own program; LLVM's optimizer is most of a compile on XLA:CPU, and
-    # a rank whose compile ends more than 15 s after another's aborts the mesh.
-    if _OPT_FLAG not in out.get("XLA_FLAGS", ""):
-        out["XLA_FLAGS"] = f"{out.get('XLA_FLAGS', '')} {_OPT_FLAG}=0".strip()
     # Parameter aliasing deadlocks training loops on a mesh of threads (see the docstring).
     if not out.get(_ALIASING_ENV, "").strip():
         out[_ALIASING_ENV] = "0"
@@ -177,6 +178,10 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
     paths = [p or os.getcwd() for p in sys.path] + [out.get("PYTHONPATH", "")]
     out["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     out.update(extra)
+    # Each rank compiles its own program; LLVM's optimizer is most of a compile on XLA:CPU, and
+    # a rank whose compile ends more than 15 s after another's aborts the mesh.
+    if _OPT_FLAG not in out.get("XLA_FLAGS", ""):
+        out["XLA_FLAGS"] = f"{out.get('XLA_FLAGS', '')} {_OPT_FLAG}=0".strip()
     return out
 
 
@@ -313,13 +318,22 @@ def run_on_mesh(
     rank. ``fn`` may be any function: one defined in a module goes by reference, one defined
     in a notebook cell, a script's ``__main__``, a closure or a lambda goes by value (with
     ``cloudpickle``), with the globals it uses. Arguments travel the same way; they and the
-    function's globals must be CPU data (tensors on the CPU, numbers, lists, ...).
+    function's globals must be CPU data (tensors on the CPU, numbers, lists, ...). Each rank
+    unpickles the call itself, so every rank gets its own copy of ``fn``'s by-value globals
+    and of the arguments (a module passed in may be moved to the rank's device in place); the
+    modules ``fn`` imports, and their globals, are shared by the rank threads as usual.
+
+    The device process guards every rank's ``torch_xla.sync()``: a sync with nothing to run on
+    a rank (it dropped its results, or its calls since the last sync were refused) would wait
+    for rank 0's device while rank 0 is inside a collective, and abort the mesh (caveat
+    ``empty-sync-device-lock``; ``XLA_PERMUTE_SYNC_GUARD=0`` turns the guard off).
 
     The debug mode is on in the device process unless the caller's environment or ``env``
     sets ``XLA_PERMUTE_DEBUG`` (:func:`mesh_environment`): ranks that pass different shapes,
     dtypes, pairs or groups to a collective of this package raise
-    :class:`~xla_permute.debug.DisagreementError` on every rank instead of returning garbage.
-    Pass ``env={"XLA_PERMUTE_DEBUG": "0"}`` to time a program known to be correct.
+    :class:`~xla_permute.debug.DisagreementError` on every rank instead of returning garbage,
+    at every call. ``env={"XLA_PERMUTE_DEBUG": "0"}`` checks each op's 1st, 2nd, 4th, ... call
+    only (the default off the mesh), for timed runs.
 
     What the ranks print (and their warnings) appears here while they run, each line
     prefixed by its rank (``[rank 2] ...``; :mod:`xla_permute.rank_output`).
@@ -335,7 +349,10 @@ def run_on_mesh(
         ValueError: ``n`` < 1, ``timeout`` <= 0, or ``env`` contradicts the mesh
             (``PJRT_DEVICE``, ``CPU_NUM_DEVICES`` other than ``n``, a thread pool below ``n``).
         MeshError: the XLA runtime is already running here; the device process died
-            (a collective rendezvous abort) or ran over ``timeout`` seconds.
+            (a collective rendezvous abort) or ran over ``timeout`` seconds. For an abort the
+            message names the collective, the ranks that waited at it, and for each rank that
+            did not arrive whether it was in ``torch_xla.sync()`` (compiling) or in Python, and
+            the last op of this package it called (:mod:`xla_permute.mesh_status`).
         RankError: a rank raised; the message names the rank and the original error,
             which is also ``__cause__``.
     """
@@ -543,7 +560,8 @@ def _child_main(payload_path: str, result_path: str) -> None:
         pickle.loads(payload)  # a call that cannot be unpickled here is a start error
         from torch_xla._internal import pjrt
 
-        _guard_syncs()
+        if os.environ.get(SYNC_GUARD_ENV, "1").strip() != "0":
+            _guard_syncs()
         # What xmp.spawn runs in each host process: one thread per device, replication set.
         results = pjrt._run_thread_per_device(
             0,

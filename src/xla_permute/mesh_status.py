@@ -15,6 +15,7 @@ Outside the mesh's device process (:func:`start` not called) every function here
 ...     start(d)
 ...     set_rank(2); note_op("collective_permute"); enter_sync(); leave_sync()
 ...     read(d)[2]["last_op"], read(d)[2]["state"]
+...     start(None)
 ('collective_permute', 'run')
 """
 
@@ -31,10 +32,10 @@ _directory: Path | None = None
 _local = threading.local()  # per rank: the ranks of the mesh are threads of one process
 
 
-def start(directory: str | os.PathLike) -> None:
-    """Keep the ranks' lines in ``directory`` (called once in the device process)."""
+def start(directory: str | os.PathLike | None) -> None:
+    """Keep the ranks' lines in ``directory`` (called once in the device process); None: stop."""
     global _directory
-    _directory = Path(directory)
+    _directory = None if directory is None else Path(directory)
 
 
 def set_rank(rank: int) -> None:

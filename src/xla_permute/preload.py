@@ -66,6 +66,7 @@ LAUNCH_VARIABLES = frozenset(
         "DISABLE_NUMERIC_CC_TOKEN",
         "PYTEST_CURRENT_TEST",
         "XLA_PERMUTE_PRELOAD",
+        "XLA_PERMUTE_SYNC_GUARD",
     }
 )
 #: The switch (``XLA_PERMUTE_PRELOAD=0`` in a launch's environment starts a fresh interpreter

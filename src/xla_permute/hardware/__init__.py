@@ -36,8 +36,9 @@ Traceback (most recent call last):
 ...
 ValueError: pairs [(0, 1), (1, 2)] form an open chain 0 -> 1 -> 2: NEURON runs only ...
 >>> sorted(c.id for c in caveats("CPU"))  # doctest: +NORMALIZE_WHITESPACE
-['collective-token', 'cpu-channel-ids', 'cpu-thread-pool', 'param-aliasing-deadlock',
- 'pin-layout', 'spmd-manual-collectives', 'spmd-roll-all-gather']
+['collective-token', 'compile-skew-rendezvous', 'cpu-channel-ids', 'cpu-thread-pool',
+ 'empty-sync-device-lock', 'param-aliasing-deadlock', 'pin-layout', 'spmd-manual-collectives',
+ 'spmd-roll-all-gather', 'torch-compile']
 """
 
 from __future__ import annotations

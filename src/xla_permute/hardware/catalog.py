@@ -5,8 +5,9 @@ is in :mod:`xla_permute.hardware.caveat` and re-exported here; the caveats thems
 in :mod:`xla_permute.hardware.known_caveats`.
 
 >>> sorted(c.id for c in caveats("CPU"))  # doctest: +NORMALIZE_WHITESPACE
-['collective-token', 'cpu-channel-ids', 'cpu-thread-pool', 'param-aliasing-deadlock',
- 'pin-layout', 'spmd-manual-collectives', 'spmd-roll-all-gather']
+['collective-token', 'compile-skew-rendezvous', 'cpu-channel-ids', 'cpu-thread-pool',
+ 'empty-sync-device-lock', 'param-aliasing-deadlock', 'pin-layout', 'spmd-manual-collectives',
+ 'spmd-roll-all-gather', 'torch-compile']
 """
 
 from __future__ import annotations

@@ -345,6 +345,89 @@ CAVEATS: tuple[Caveat, ...] = (
         ),
     ),
     Caveat(
+        id="empty-sync-device-lock",
+        applies_to=("CPU",),
+        severity="error",
+        summary=(
+            "on a mesh of device threads, a torch_xla.sync() with nothing to run waits for "
+            "rank 0's device, and a rank stuck there aborts rank 0's collective"
+        ),
+        what_goes_wrong=(
+            "A sync whose rank holds no pending tensor (it dropped its results, or every call "
+            "since its last sync was refused) collects no tensors, and torch_xla's barrier then "
+            "locks a default-constructed device, CPU:0. While rank 0 executes a collective, "
+            "which holds its device's lock until the collective ends, such a rank waits for that "
+            "lock instead of reaching the collective; XLA:CPU aborts after 15 s. It needs "
+            "devices that are threads of one process (the CPU mesh, torch_xla.launch on the "
+            "CPU; TPU v2/v3 under xmp.spawn by the mechanism, not run here)."
+        ),
+        library_action=(
+            "run_on_mesh gives every rank's sync a pending scalar on the rank's own device, so "
+            "that the sync locks that device only (XLA_PERMUTE_SYNC_GUARD=0 turns it off)."
+        ),
+        sources=(
+            f"{_PT_XLA}/blob/v2.9.0/torch_xla/csrc/xla_graph_executor.cpp",
+            f"{_PT_XLA}/blob/v2.9.0/torch_xla/torch_xla.py",
+        ),
+        evidence=(
+            "tests/test_mesh_programs.py runs a torch_xla-only reproducer (three ranks sync "
+            "with nothing to run while rank 0 is in an all-gather): it aborts with the guard "
+            "off and passes with it on; the same file runs a loop that drops every permute's "
+            "result and 132 good and bad calls with a mark_step after each"
+        ),
+    ),
+    Caveat(
+        id="compile-skew-rendezvous",
+        applies_to=("CPU",),
+        severity="error",
+        summary=(
+            "each rank of the CPU mesh compiles its own program, and a rank that finishes "
+            "compiling more than 15 s after another aborts the mesh at the first collective"
+        ),
+        what_goes_wrong=(
+            "XLA:CPU matches a collective's ranks in an in-process rendezvous that gives up 15 s "
+            "after the first rank arrives (hard-coded). The ranks compile the same step "
+            "concurrently (or different ones, when a rank slices its data on the device); on a "
+            "loaded machine the compiles of a model-sized program end tens of seconds apart: a "
+            "2-layer Llama's step took 77 s on rank 0 beside three other compiles at load 6."
+        ),
+        library_action=(
+            "run_on_mesh compiles with LLVM's optimizer off (--xla_backend_optimization_level=0 "
+            "unless XLA_FLAGS sets the level) and its MeshError names the ranks that were still "
+            "compiling. Keep per-rank data as device data (shard on the host, then .to(device)) "
+            "so that the ranks' programs are identical, and keep a development mesh's machine "
+            "free of other compiles."
+        ),
+        sources=("https://github.com/openxla/xla/blob/main/xla/service/rendezvous.cc",),
+        evidence=(
+            "tests/test_launch.py checks the diagnosis on a recorded abort; the compile times "
+            "above were read from torch_xla's own log (TF_CPP_VMODULE=xla_graph_executor=4)"
+        ),
+    ),
+    Caveat(
+        id="torch-compile",
+        applies_to=("*",),
+        severity="error",
+        summary="the ops of this package do not run under torch.compile; they refuse at once",
+        what_goes_wrong=(
+            "Dynamo cannot trace the host state the ops keep per rank (channel ids, the "
+            "collective token, the agreement checks: torch_xla._XLAC calls). Under "
+            "torch.compile(backend='openxla') on the CPU mesh the ops aborted the mesh or every "
+            "rank failed with 'Failed to get computation by hash ... LRU cache', also with the "
+            "op wrapped in torch.compiler.disable."
+        ),
+        library_action=(
+            "every public op raises CompileError on every rank before any collective, naming "
+            "the op. Compile only the math around the ops, or run eagerly: torch_xla's lazy "
+            "tensors compile each step into one XLA program at torch_xla.sync() anyway."
+        ),
+        sources=("https://docs.pytorch.org/xla/master/perf/dynamo.html",),
+        evidence=(
+            "tests/test_mesh_programs.py compiles collective_permute, all_gather_matmul and "
+            "ColumnParallelLinear (forward and backward) on the 4-device mesh"
+        ),
+    ),
+    Caveat(
         id="spmd-manual-collectives",
         applies_to=("TPU", "NEURON", "CPU"),
         severity="error",

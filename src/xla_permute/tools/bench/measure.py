@@ -136,7 +136,8 @@ def emulated_runs(programs: Sequence[BenchProgram], cfg: dict[str, int]) -> dict
 
 
 def debug_cost(cfg: dict[str, int]) -> dict[str, list[float]]:
-    """Every rank: a permute ring of one x block, call to result, debug mode off and on."""
+    """Every rank: a permute ring of one x block, call to result, at each agreement-check level
+    (``none``, ``sampled``: the default off the mesh, ``all``: the debug mode)."""
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm
@@ -147,16 +148,16 @@ def debug_cost(cfg: dict[str, int]) -> dict[str, list[float]]:
     device = torch_xla.device()
     x = torch.ones(cfg["m"], cfg["k"], device=device)
     ring = xp.ring_pairs(xr.world_size())
-    times: dict[str, list[float]] = {"off": [], "on": []}
+    times: dict[str, list[float]] = {level: [] for level in xp.debug.LEVELS}
     for i in range(cfg["warmup"] + cfg["repeats"]):
-        for mode in ("off", "on"):
+        for level in times:
             t0 = time.perf_counter()
-            with xp.debug_mode(mode == "on"):
+            with xp.debug_mode(level):
                 y = xp.collective_permute(x, ring, backend="emulated")
             torch_xla.sync()
             xm.wait_device_ops(xm.xla_real_devices([device]))
             if i >= cfg["warmup"]:
-                times[mode].append(time.perf_counter() - t0)
+                times[level].append(time.perf_counter() - t0)
             del y
     return times
 

@@ -210,10 +210,13 @@ def format_report(result: dict[str, Any]) -> str:
     if "debug_mode_ratio" in result:
         lines[1:1] = [
             "",
-            f"Debug mode (XLA_PERMUTE_DEBUG=1) cost: a permute ring of one x block takes "
-            f"{result['debug_mode_ratio']:.2f}x its time without the check (emulated, slowest "
+            f"Agreement checks' cost: a permute ring of one x block takes "
+            f"{result['debug_mode_ratio']:.2f}x its time without any check with the debug mode "
+            f"(XLA_PERMUTE_DEBUG=1, every call checked) and "
+            f"{result.get('sampled_check_ratio', float('nan')):.2f}x with the default sampled "
+            f"checks (each op's 1st, 2nd, 4th, ... call; steady state) (emulated, slowest "
             f"rank). The mesh turns the debug mode on by default; every other figure here is "
-            f"measured with it off (XLA_PERMUTE_DEBUG=0).",
+            f"measured with XLA_PERMUTE_DEBUG=0 (sampled).",
         ]
     for r in result["programs"]:
         rr = against["n"].get(r["name"], {})
