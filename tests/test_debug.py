@@ -32,7 +32,10 @@ def test_bad_environment_value_and_argument(monkeypatch):
     monkeypatch.setenv(debug.ENV, "fasle")
     with pytest.raises(ValueError, match="XLA_PERMUTE_DEBUG='fasle': set it to 1"):
         debug.enabled()
-    with pytest.raises(TypeError, match="enabled must be True, False or one of"), debug.debug_mode("yes"):
+    with (
+        pytest.raises(TypeError, match="enabled must be True, False or one of"),
+        debug.debug_mode("yes"),
+    ):
         pass
 
 
