@@ -45,7 +45,8 @@ def test_step_equals_one_device(ranks, name):
     got = [r["cases"][i] for r in ranks]
     case = mesh_cases.CASES[name]
     assert step_problems(case, got) == []
-    s = make_schedule(case["schedule"], case["stages"], case["inputs"].shape[1], case["chunks"])
+    p, v = case["ranks"], case["stages_per_rank"]
+    s = make_schedule(case["schedule"], p, case["inputs"].shape[1], v)
     for r in got:
         assert r["executed"] == tuple(tick[r["position"]] for tick in s.work)
         assert r["live"] == s.in_flight(r["position"])

@@ -15,19 +15,23 @@ the ranks finished compiling up to 17 s apart on this 2-core machine.
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import ranks_pipeline
 import torch
 from pipeline_model import example_batch, step_problems, training_problems
 
 from xla_permute import make_schedule, run_on_mesh
+from xla_permute.pipeline_orders import theory_bubble_fraction
 
 N = 4
 
 
-def _case(schedule: str, stages: int, micro_batches: int, chunks: int = 1, **kw) -> dict:
-    inputs, targets = example_batch(micro_batches, replicas=N // stages)
-    return dict(kw, schedule=schedule, stages=stages, chunks=chunks, inputs=inputs, targets=targets)
+def _case(schedule: str, ranks: int, micro_batches: int, stages_per_rank: int = 1, **kw) -> dict:
+    inputs, targets = example_batch(micro_batches, replicas=N // ranks)
+    return dict(kw, schedule=schedule, ranks=ranks, stages_per_rank=stages_per_rank,
+                inputs=inputs, targets=targets)  # fmt: skip
 
 
 # p in {2, 4} (p = 2: two pipelines side by side), m in {p, 2p, odd}, v in {1, 2}
@@ -45,16 +49,17 @@ TRAININGS = {
     "1f1b adamw p=2": _case("1f1b", 2, 3, optimizer="adamw", steps=3),  # 2 pipelines
 }
 ERRORS = [
-    "ValueError: micro_batches=3 is below stages=4",
-    "ValueError: chunks=2 needs schedule='interleaved'",
+    "ValueError: micro_batches=3 is below ranks=4",
+    "ValueError: stages_per_rank=2 needs schedule='interleaved'",
     "ValueError: wrap=False asks for open-chain shifts",
     "ValueError: schedule must be one of",
-    "ValueError: the schedule is for 4 stages, 8 micro-batches",
-    "ValueError: chunk 0 returned shape (2,) and dtype torch.float32 for an input of shape (2, 3)",
+    "ValueError: the schedule is for 4 ranks, 8 micro-batches",
+    "ValueError: stage module 0 returned shape (2,) and dtype torch.float32 for an input of "
+    "shape (2, 3)",
     "ValueError: loss_fn(output, target) returned (2, 3)",
     "ValueError: targets has 3 micro-batches and inputs 4",
     "ValueError: inputs is on device cpu, not an XLA device",
-    "TypeError: chunks must be this rank's model chunk",
+    "TypeError: modules must be this rank's stage",
     "ValueError: stages=3 does not divide the 4 ranks",
 ]
 
@@ -88,15 +93,15 @@ def test_ran_the_schedule(mesh, name):
     """What each rank executed, the shifts it issued and the activations it held, counted
     while running, are the schedule's own."""
     case, got = CASES[name], mesh["cases"][name]
-    p, m = case["stages"], case["inputs"].shape[1]
-    s = make_schedule(case["schedule"], p, m, case["chunks"])
+    p, m = case["ranks"], case["inputs"].shape[1]
+    s = make_schedule(case["schedule"], p, m, case["stages_per_rank"])
     for r in got:
         assert r["executed"] == tuple(tick[r["position"]] for tick in s.work)
         assert r["shifts"] == tuple(s.shifts(t) for t in range(s.ticks))
         assert r["live"] == s.in_flight(r["position"])
         assert max(r["live"]) == s.peak_in_flight[r["position"]]
     idle = sum(w is None for r in got[:p] for w in r["executed"])
-    assert idle / (s.ticks * p) == pytest.approx(float(s.theory_bubble_fraction))
+    assert Fraction(idle, s.ticks * p) == theory_bubble_fraction(s)
 
 
 def test_1f1b_holds_p_activations_where_gpipe_holds_m(mesh):
@@ -116,16 +121,16 @@ def test_comparisons_find_a_wrong_result():
     from pipeline_model import reference_step, reference_training
 
     case = CASES["interleaved p=2 m=3"]
-    p, v = case["stages"], case["chunks"]
+    p, v = case["ranks"], case["stages_per_rank"]
     got = []
     for replica in range(N // p):
         ref = reference_step(case["inputs"][replica], case["targets"][replica], stages=p * v)
         for position in range(p):
-            stages = [c * p + position for c in range(v)]
+            held = [c * p + position for c in range(v)]
             got.append({
                 "replica": replica, "position": position,
                 "loss": ref["loss"] if position == p - 1 else torch.zeros(()),
-                "grads": {s: dict(ref["grads"][s]) for s in stages},
+                "grads": {s: dict(ref["grads"][s]) for s in held},
             })  # fmt: skip
     assert step_problems(case, got) == []
     got[3]["grads"][3] = {k: g + (k == "w2") for k, g in got[3]["grads"][3].items()}

@@ -54,22 +54,14 @@ from xla_permute.pairs import (
 from xla_permute.permute import collective_permute
 from xla_permute.pipeline import (
     PipelineStep,
-    Schedule,
-    gpipe_schedule,
     pipeline_forward,
     pipeline_groups,
     pipeline_step,
 )
 
-# Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B
-from xla_permute.pipeline_schedule import (
-    PipelineSchedule,
-    Work,
-    interleaved_schedule,
-    make_schedule,
-    one_f_one_b_schedule,
-    split_layers,
-)
+# Pipeline schedules as data: each rank's orders and the schedules they play out
+from xla_permute.pipeline_orders import SCHEDULES, make_schedule, split_layers
+from xla_permute.pipeline_schedule import Overlap, PipelineSchedule, Work
 
 # Ring schedules of collective matmul and ring attention, as data
 from xla_permute.schedule import (
@@ -137,8 +129,6 @@ __all__ = [
     "DisagreementError",
     "forms_complete_rings",
     "GatedMLP",
-    "gpipe_schedule",
-    "interleaved_schedule",
     "inverse_pairs",
     "is_ring",
     "make_schedule",
@@ -146,10 +136,10 @@ __all__ = [
     "matmul_then_reduce_scatter",
     "Mesh2D",
     "MeshError",
-    "one_f_one_b_schedule",
     "pipeline_forward",
     "pipeline_groups",
     "pipeline_step",
+    "Overlap",
     "PipelineSchedule",
     "PipelineStep",
     "RankError",
@@ -163,7 +153,6 @@ __all__ = [
     "RingStep",
     "RowParallelLinear",
     "run_on_mesh",
-    "Schedule",
     "schedule_work",
     "SequenceParallelMLP",
     "shard_sequence",
@@ -173,6 +162,7 @@ __all__ = [
     "sum_gradients",
     "swiglu",
     "unshard_sequence",
+    "SCHEDULES",
     "Work",
 ]
 __version__ = "0.1.0"
