@@ -267,19 +267,58 @@ def _bad_step_calls() -> list[str]:
         *([step(inputs=x.cpu())] if device.type == "xla" else []),  # not on this rank's device
         step(modules="relu"),
         step(ranks=3),
+        step(activation="(2, 3)"),
+        step(activation=((2, 5), torch.float32)),  # not what the stages hand on
     ]
     return [_error(call) for call in bad]
 
 
-def step_cases(cases: list[dict[str, Any]], trainings: list[dict[str, Any]]) -> dict[str, Any]:
-    """The bad calls, every :func:`schedule_step` case (one program each), then every
-    :func:`train_steps` run; one launch."""
+def llama_step(case: dict[str, Any]) -> dict[str, Any]:
+    """One ``xp.pipeline_step`` of the Llama-style model of tests/pipeline_llama.py on this
+    rank: token ids into stage 0, logits and the cross-entropy on the last stage, the
+    activation between stages declared. Returns ``loss``, ``grads`` by stage, ``replica``."""
+    from pipeline_llama import BATCH, DIM, SEQ, llama_loss, llama_stage, llama_stage_params
+
+    from xla_permute import pipeline_step
+
+    device, rank = _place()
+    replica, position, stages = _stages(case, rank)
+    total = case["ranks"] * case["stages_per_rank"]
+    params = [
+        {k: v.to(device).requires_grad_() for k, v in llama_stage_params(s, total).items()}
+        for s in stages
+    ]
+    step = pipeline_step(
+        [functools.partial(llama_stage, p) for p in params],
+        case["inputs"][replica].to(device),
+        case["targets"][replica].to(device),
+        llama_loss,
+        schedule=case["schedule"],
+        ranks=case["ranks"],
+        activation=((BATCH, SEQ, DIM), torch.float32),
+    )
+    grads = {s: {k: v.grad for k, v in p.items()} for s, p in zip(stages, params, strict=True)}
+    return {"loss": step.loss, "grads": grads, "replica": replica}
+
+
+def step_cases(
+    cases: list[dict[str, Any]],
+    trainings: list[dict[str, Any]],
+    llamas: list[dict[str, Any]] = (),  # type: ignore[assignment]
+) -> dict[str, Any]:
+    """The bad calls, every :func:`schedule_step` case (one program each), every
+    :func:`train_steps` run, then every :func:`llama_step` case; one launch."""
     errors = _bad_step_calls()
     out = []
     for case in cases:
         out.append(schedule_step(case))
         _sync()  # one program per case: see the module docstring of test_pipeline_step
-    return {"errors": errors, "cases": out, "trainings": [train_steps(c) for c in trainings]}
+    trained = [train_steps(c) for c in trainings]
+    llama = []
+    for case in llamas:
+        llama.append(llama_step(case))
+        _sync()
+    return {"errors": errors, "cases": out, "trainings": trained, "llamas": llama}
 
 
 def train_steps(case: dict[str, Any]) -> dict[str, Any]:

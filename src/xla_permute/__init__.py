@@ -52,15 +52,11 @@ from xla_permute.pairs import (
 
 # Collectives
 from xla_permute.permute import collective_permute
-from xla_permute.pipeline import (
-    PipelineStep,
-    pipeline_forward,
-    pipeline_groups,
-    pipeline_step,
-)
+from xla_permute.pipeline import pipeline_forward, pipeline_groups
 
 # Pipeline schedules as data: each rank's orders and the schedules they play out
 from xla_permute.pipeline_orders import SCHEDULES, make_schedule, split_layers
+from xla_permute.pipeline_run import PipelineStep, pipeline_step
 from xla_permute.pipeline_schedule import Overlap, PipelineSchedule, Work
 
 # Ring schedules of collective matmul and ring attention, as data

@@ -22,9 +22,10 @@ Each schedule is each rank's **order** of work (the policy, in
 :mod:`xla_permute.pipeline_orders`) played out tick by tick: a rank runs its next cell as soon
 as its inputs arrived (a forward needs the previous stage's forward one tick earlier; ``B`` or
 ``I`` the next stage's ``B`` or ``I`` one tick earlier, or, on the last stage, its own forward;
-``W`` its own ``I``). Every unit takes one tick. Counted from the data: :attr:`~PipelineSchedule.
-idle_ticks` (the bubble) and :attr:`~PipelineSchedule.peak_in_flight` (the activations a rank
-holds: a forward adds one, ``B`` or ``W`` frees it; ``I`` keeps it for ``W``).
+``W`` its own ``I``). Every unit takes one tick. Counted from the data:
+:attr:`~PipelineSchedule.idle_ticks` (the bubble) and :attr:`~PipelineSchedule.peak_in_flight`
+(the activations a rank holds: a forward adds one, ``B`` or ``W`` frees it; ``I`` keeps it for
+``W``).
 
 >>> from xla_permute.pipeline_orders import make_schedule
 >>> s = make_schedule("1f1b", ranks=2, micro_batches=3)
@@ -93,6 +94,7 @@ class Overlap:
         return f"({self.forward};{self.backward})"
 
 
+#: What one rank runs in one tick: a unit, an overlapped pair, or nothing (idle).
 Cell = Work | Overlap | None
 
 
