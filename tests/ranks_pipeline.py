@@ -269,6 +269,7 @@ def _bad_step_calls() -> list[str]:
         step(ranks=3),
         step(activation="(2, 3)"),
         step(activation=((2, 5), torch.float32)),  # not what the stages hand on
+        step(activation="infer", modules=lambda y: y.long()),  # stage 0 hands on no float
     ]
     return [_error(call) for call in bad]
 
@@ -295,7 +296,7 @@ def llama_step(case: dict[str, Any]) -> dict[str, Any]:
         llama_loss,
         schedule=case["schedule"],
         ranks=case["ranks"],
-        activation=((BATCH, SEQ, DIM), torch.float32),
+        activation=case.get("activation", ((BATCH, SEQ, DIM), torch.float32)),
     )
     grads = {s: {k: v.grad for k, v in p.items()} for s, p in zip(stages, params, strict=True)}
     return {"loss": step.loss, "grads": grads, "replica": replica}

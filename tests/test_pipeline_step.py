@@ -87,12 +87,13 @@ ERRORS = [
         "DisagreementError: pipeline_step: the ranks disagree on error: ranks 0, 3 pass ValueE",
         "ValueError: loss_fn(output, target) raised RuntimeError for the last stage's output",
     ),
+    "ValueError: activation='infer': stage 0 (on rank 0) could not run",  # every rank alike
 ]
 
 
-def _llama(schedule: str, ranks: int, micro_batches: int, stages_per_rank: int = 1) -> dict:
+def _llama(schedule: str, ranks: int, micro_batches: int, stages_per_rank: int = 1, **kw) -> dict:
     inputs, targets = llama_batch(micro_batches, replicas=N // ranks)
-    return dict(schedule=schedule, ranks=ranks, stages_per_rank=stages_per_rank,
+    return dict(kw, schedule=schedule, ranks=ranks, stages_per_rank=stages_per_rank,
                 inputs=inputs, targets=targets)  # fmt: skip
 
 
@@ -101,6 +102,7 @@ LLAMAS = {
     "llama 1f1b p=4": _llama("1f1b", 4, 4),
     "llama zbv p=2": _llama("zbv", 2, 4, 2),
     "llama dualpipev p=2": _llama("dualpipev", 2, 4, 2),
+    "llama zb1p p=4, activation inferred": _llama("zb1p", 4, 4, 2, activation="infer"),
 }
 
 

@@ -63,6 +63,39 @@ def _check_modules(modules: object) -> list[Module]:
     return list(listed)
 
 
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_DIMS = 8
+
+
+def _infer(
+    plan, modules, inputs, position, group, comm, ok: bool
+) -> tuple[tuple[int, ...], torch.dtype]:
+    """The activation stage 0 hands on, from the first micro-batch: the rank that holds stage
+    0 runs it (no gradient) and every rank of the pipeline reads its shape and dtype from one
+    all-gather of a small int row (the debug mode's, :meth:`gather_rows`), so all agree."""
+    row = [0] * (_MAX_DIMS + 2)  # ndim (-1: stage 0 failed), dims..., dtype
+    if 0 in plan.stages_of(position) and not ok:
+        row[0] = -1
+    elif 0 in plan.stages_of(position):
+        try:
+            with torch.no_grad():
+                y = modules[plan.stages_of(position).index(0)](inputs[0])
+            shape = tuple(y.shape)
+            if y.dtype not in _DTYPES or len(shape) > _MAX_DIMS:
+                raise ValueError(f"an activation of shape {shape} and dtype {y.dtype}")
+            row = [len(shape), *shape, *[0] * (_MAX_DIMS - len(shape)), _DTYPES.index(y.dtype)]
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            row[0] = -1
+    first = comm.gather_rows(row)[group[plan.rank_of(0)]]
+    if first[0] < 0:
+        raise ValueError(
+            f"activation='infer': stage 0 (on rank {group[plan.rank_of(0)]}) could not run on "
+            f"the first micro-batch or returned no floating tensor of at most {_MAX_DIMS} dims; "
+            f"declare activation=(shape, dtype), or see that rank's error"
+        )
+    return tuple(first[1 : 1 + first[0]]), _DTYPES[first[-1]]
+
+
 def _activation(activation: object, inputs: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
     """The declared activation between stages as ``(shape, dtype)``."""
     if activation is None:
@@ -75,8 +108,9 @@ def _activation(activation: object, inputs: torch.Tensor) -> tuple[tuple[int, ..
         if isinstance(shape, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in shape):
             return tuple(shape), activation[1]
     raise TypeError(
-        f"activation must be None (the micro-batch's shape and dtype), an example tensor or "
-        f"(shape, dtype) of the tensor one stage hands the next, got {activation!r}"
+        f"activation must be None (the micro-batch's shape and dtype), 'infer' (what stage 0 "
+        f"returns for the first micro-batch), an example tensor or (shape, dtype) of the "
+        f"tensor one stage hands the next, got {activation!r}"
     )
 
 
@@ -127,7 +161,7 @@ def pipeline_step(
     *,
     schedule: str | PipelineSchedule = "1f1b",
     ranks: int | None = None,
-    activation: torch.Tensor | tuple[tuple[int, ...], torch.dtype] | None = None,
+    activation: torch.Tensor | tuple[tuple[int, ...], torch.dtype] | str | None = None,
     wrap: bool | None = None,
     backend: Backend = "auto",
 ) -> PipelineStep:
@@ -169,7 +203,9 @@ def pipeline_step(
         loss_fn: ``(output, target) -> scalar tensor`` of one micro-batch.
         activation: what one stage hands the next, per micro-batch: ``(shape, dtype)`` or an
             example tensor; ``None``: the micro-batch's own shape and dtype
-            (``inputs.shape[1:]``, ``inputs.dtype``).
+            (``inputs.shape[1:]``, ``inputs.dtype``); ``"infer"``: what stage 0 returns for
+            the first micro-batch (one more forward of stage 0 without gradient, on its rank,
+            and one small all-gather that tells every rank of the pipeline, before the step).
         schedule: a name of :data:`~xla_permute.pipeline_orders.SCHEDULES` or a
             :class:`~xla_permute.pipeline_schedule.PipelineSchedule` of ``(p, M, v)``.
         ranks: ranks per pipeline (``None``: all ranks); consecutive blocks of ranks form
@@ -237,8 +273,12 @@ def pipeline_step(
             f"stage (c + 1) * ranks); pass wrap=None or wrap=True"
         )
     ring = True if needs_ring and wrap is None else resolve_wrap(wrap, device_type)
-    between = _activation(activation, inputs)
+    infer = isinstance(activation, str) and activation == "infer"
+    between = _activation(None if infer else activation, inputs)
     error = comm.device_error(inputs, "inputs")
+    if infer and plan is not None:  # one gather, on every rank alike (also one that failed)
+        group = groups[rank // p]
+        between = _infer(plan, stage_fns, inputs, position, group, comm, error is None)
     if plan is not None and error is None:
         try:  # this rank's own stages: an error here joins the ranks' agreement below
             _probe(plan, stage_fns, loss_fn, inputs, targets, position, between)
