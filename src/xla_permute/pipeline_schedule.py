@@ -94,7 +94,7 @@ class Overlap:
         return f"({self.forward};{self.backward})"
 
 
-#: What one rank runs in one tick: a unit, an overlapped pair, or nothing (idle).
+#: What one rank runs in one tick, a unit, an overlapped pair or nothing (idle).
 Cell = Work | Overlap | None
 
 
