@@ -23,7 +23,9 @@ def main(out_dir: str) -> None:
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=30))
     torch.set_num_threads(1)
-    out = ranks_pipeline.step_cases(list(cases.CASES.values()), list(cases.TRAININGS.values()))
+    out = ranks_pipeline.step_cases(
+        list(cases.CASES.values()), list(cases.TRAININGS.values()), list(cases.LLAMAS.values())
+    )
     torch.save(out, os.path.join(out_dir, f"rank{dist.get_rank()}.pt"))
     dist.barrier()
     dist.destroy_process_group()

@@ -195,22 +195,31 @@ def pipeline_cases(cases: list[dict[str, Any]], traced: tuple[torch.Tensor, ...]
     return {"errors": errors, "cases": results, "traced": traced_step_programs(*traced)}
 
 
+def _stages(case: dict[str, Any], rank: int) -> tuple[int, int, tuple[int, ...]]:
+    """``(replica, position, stages)``: this rank's pipeline, its place in it and the stages
+    it holds (by the schedule's placement)."""
+    from xla_permute import make_schedule
+
+    p, v, m = case["ranks"], case["stages_per_rank"], case["inputs"].shape[1]
+    replica, position = divmod(rank, p)
+    return replica, position, make_schedule(case["schedule"], p, m, v).stages_of(position)
+
+
 def schedule_step(case: dict[str, Any]) -> dict[str, Any]:
     """One ``xp.pipeline_step`` of the MLP on this rank (traced; the caller syncs).
 
-    A case: ``inputs``, ``targets`` (``(replicas, M, batch, dim)``), ``schedule``, ``stages``
-    (per pipeline), ``chunks`` and optionally ``wrap``. Chunk ``c`` of this rank is virtual
-    stage ``c * stages + position`` of the reference model. Returns this rank's ``loss``, the
-    ``grads`` of every chunk (by virtual stage), its ``replica``, ``position`` and what ran
-    (``executed``, ``live``, ``shifts``).
+    A case: ``inputs``, ``targets`` (``(replicas, M, batch, dim)``), ``schedule``, ``ranks``
+    (per pipeline), ``stages_per_rank`` and optionally ``wrap``. This rank's stages are the
+    schedule's ``stages_of(position)``, each the reference model's stage of that index.
+    Returns this rank's ``loss``, the ``grads`` of every stage (by stage), its ``replica``,
+    ``position`` and what ran (``executed``, ``live``, ``shifts``).
     """
     from xla_permute import pipeline_step
 
-    (device, rank), stages, chunks = _place(), case["stages"], case["chunks"]
-    replica, position = divmod(rank, stages)
-    virtual = [c * stages + position for c in range(chunks)]
+    device, rank = _place()
+    replica, position, stages = _stages(case, rank)
     params = [
-        {k: v.to(device).requires_grad_() for k, v in mlp_stage_params(s).items()} for s in virtual
+        {k: v.to(device).requires_grad_() for k, v in mlp_stage_params(s).items()} for s in stages
     ]
     step = pipeline_step(
         [functools.partial(mlp_stage, p) for p in params],
@@ -218,10 +227,10 @@ def schedule_step(case: dict[str, Any]) -> dict[str, Any]:
         case["targets"][replica].to(device),
         lambda y, t: (y * t).sum(),
         schedule=case["schedule"],
-        stages=stages,
+        ranks=case["ranks"],
         wrap=case.get("wrap"),
     )
-    grads = {s: {k: v.grad for k, v in p.items()} for s, p in zip(virtual, params, strict=True)}
+    grads = {s: {k: v.grad for k, v in p.items()} for s, p in zip(stages, params, strict=True)}
     return {
         "loss": step.loss,
         "grads": grads,
@@ -243,34 +252,74 @@ def _bad_step_calls() -> list[str]:
     def loss(y, target):
         return (y * target).sum()
 
-    def step(chunks=torch.relu, inputs=x, targets=t, loss_fn=loss, **kw):
-        return lambda: pipeline_step(chunks, inputs, targets, loss_fn, **kw)
+    def step(modules=torch.relu, inputs=x, targets=t, loss_fn=loss, **kw):
+        return lambda: pipeline_step(modules, inputs, targets, loss_fn, **kw)
 
     bad = [
-        step(chunks=[torch.relu] * 2, schedule="interleaved", inputs=x[:3], targets=t[:3]),
-        step(chunks=[torch.relu, torch.relu]),  # two chunks need schedule="interleaved"
-        step(chunks=[torch.relu, torch.relu], schedule="interleaved", wrap=False),
+        step(modules=[torch.relu] * 2, schedule="interleaved", inputs=x[:3], targets=t[:3]),
+        step(modules=[torch.relu, torch.relu]),  # two stages per rank need "interleaved"
+        step(modules=[torch.relu, torch.relu], schedule="interleaved", wrap=False),
         step(schedule="zero-bubble"),
         step(schedule=make_schedule("1f1b", 4, 8)),  # built for 8 micro-batches, not 4
-        step(chunks=lambda y: y.sum(-1)),  # changes the activation's shape
+        step(modules=lambda y: y.sum(-1)),  # changes the activation's shape
         step(loss_fn=lambda y, target: y * target),  # not one number per micro-batch
         step(targets=t[:3]),
         *([step(inputs=x.cpu())] if device.type == "xla" else []),  # not on this rank's device
-        step(chunks="relu"),
-        step(stages=3),
+        step(modules="relu"),
+        step(ranks=3),
+        step(activation="(2, 3)"),
+        step(activation=((2, 5), torch.float32)),  # not what the stages hand on
+        step(activation="infer", modules=lambda y: y.long()),  # stage 0 hands on no float
     ]
     return [_error(call) for call in bad]
 
 
-def step_cases(cases: list[dict[str, Any]], trainings: list[dict[str, Any]]) -> dict[str, Any]:
-    """The bad calls, every :func:`schedule_step` case (one program each), then every
-    :func:`train_steps` run; one launch."""
+def llama_step(case: dict[str, Any]) -> dict[str, Any]:
+    """One ``xp.pipeline_step`` of the Llama-style model of tests/pipeline_llama.py on this
+    rank: token ids into stage 0, logits and the cross-entropy on the last stage, the
+    activation between stages declared. Returns ``loss``, ``grads`` by stage, ``replica``."""
+    from pipeline_llama import BATCH, DIM, SEQ, llama_loss, llama_stage, llama_stage_params
+
+    from xla_permute import pipeline_step
+
+    device, rank = _place()
+    replica, position, stages = _stages(case, rank)
+    total = case["ranks"] * case["stages_per_rank"]
+    params = [
+        {k: v.to(device).requires_grad_() for k, v in llama_stage_params(s, total).items()}
+        for s in stages
+    ]
+    step = pipeline_step(
+        [functools.partial(llama_stage, p) for p in params],
+        case["inputs"][replica].to(device),
+        case["targets"][replica].to(device),
+        llama_loss,
+        schedule=case["schedule"],
+        ranks=case["ranks"],
+        activation=case.get("activation", ((BATCH, SEQ, DIM), torch.float32)),
+    )
+    grads = {s: {k: v.grad for k, v in p.items()} for s, p in zip(stages, params, strict=True)}
+    return {"loss": step.loss, "grads": grads, "replica": replica}
+
+
+def step_cases(
+    cases: list[dict[str, Any]],
+    trainings: list[dict[str, Any]],
+    llamas: list[dict[str, Any]] = (),  # type: ignore[assignment]
+) -> dict[str, Any]:
+    """The bad calls, every :func:`schedule_step` case (one program each), every
+    :func:`train_steps` run, then every :func:`llama_step` case; one launch."""
     errors = _bad_step_calls()
     out = []
     for case in cases:
         out.append(schedule_step(case))
         _sync()  # one program per case: see the module docstring of test_pipeline_step
-    return {"errors": errors, "cases": out, "trainings": [train_steps(c) for c in trainings]}
+    trained = [train_steps(c) for c in trainings]
+    llama = []
+    for case in llamas:
+        llama.append(llama_step(case))
+        _sync()
+    return {"errors": errors, "cases": out, "trainings": trained, "llamas": llama}
 
 
 def train_steps(case: dict[str, Any]) -> dict[str, Any]:
@@ -279,17 +328,16 @@ def train_steps(case: dict[str, Any]) -> dict[str, Any]:
 
     A case as for :func:`schedule_step` plus ``optimizer`` (see
     ``pipeline_model.make_optimizer``) and ``steps``. Returns this rank's per-step ``losses``,
-    its chunks' final ``params`` (by virtual stage), ``replica`` and ``position``.
+    its stages' final ``params`` (by stage), ``replica`` and ``position``.
     """
     from pipeline_model import make_optimizer
 
     from xla_permute import pipeline_step
 
-    (device, rank), stages, chunks = _place(), case["stages"], case["chunks"]
-    replica, position = divmod(rank, stages)
-    virtual = [c * stages + position for c in range(chunks)]
+    device, rank = _place()
+    replica, position, stages = _stages(case, rank)
     params = [
-        {k: v.to(device).requires_grad_() for k, v in mlp_stage_params(s).items()} for s in virtual
+        {k: v.to(device).requires_grad_() for k, v in mlp_stage_params(s).items()} for s in stages
     ]
     opt = make_optimizer(case["optimizer"], [v for p in params for v in p.values()])
     inputs = case["inputs"][replica].to(device)
@@ -302,13 +350,13 @@ def train_steps(case: dict[str, Any]) -> dict[str, Any]:
             targets,
             lambda y, t: (y * t).sum(),
             schedule=case["schedule"],
-            stages=stages,
+            ranks=case["ranks"],
         )
         opt.step()
         opt.zero_grad()
         _sync()
         losses.append(step.loss.cpu())
     final = {
-        s: {k: v.detach().cpu() for k, v in p.items()} for s, p in zip(virtual, params, strict=True)
+        s: {k: v.detach().cpu() for k, v in p.items()} for s, p in zip(stages, params, strict=True)
     }
     return {"losses": losses, "params": final, "replica": replica, "position": position}

@@ -20,8 +20,9 @@ from pipeline_model import (
 )
 
 from xla_permute import (
+    Work,
     forms_complete_rings,
-    gpipe_schedule,
+    make_schedule,
     pipeline_groups,
     run_on_mesh,
     shift_pairs,
@@ -33,30 +34,34 @@ N = 4
 
 
 @pytest.mark.parametrize(("stages", "micro_batches"), [(1, 3), (2, 1), (4, 4), (3, 5), (4, 8)])
-def test_schedule(stages, micro_batches):
-    s = gpipe_schedule(stages, micro_batches)
-    assert s.ticks == micro_batches + stages - 1 == len(s.backward)
-    assert s.shifts == (s.ticks - 1 if stages > 1 else 0)
+def test_gpipe_forward_ticks(stages, micro_batches):
+    """pipeline_forward's ticks: the first M + S - 1 of GPipe's schedule, all forwards, then
+    the backwards in the mirror order (autograd's, through the opposite shifts)."""
+    s = make_schedule("gpipe", stages, micro_batches)
+    forward = s.work[: micro_batches + stages - 1]
+    assert all(w is None or w.kind == "F" for tick in forward for w in tick)
+    assert s.work[len(forward)][-1] == Work("B", micro_batches - 1, stages - 1)
     for m in range(micro_batches):
         # every micro-batch visits every stage once, one stage per tick, in order
-        visits = [
-            (t, st) for t, tick in enumerate(s.forward) for st, mb in enumerate(tick) if mb == m
-        ]
+        visits = [(t, w.stage) for t, tick in enumerate(forward) for w in tick
+                  if w is not None and w.micro_batch == m]  # fmt: skip
         assert visits == [(m + st, st) for st in range(stages)]
-    for tick in s.forward:  # a tick works on distinct micro-batches
-        busy = [mb for mb in tick if mb is not None]
-        assert len(set(busy)) == len(busy)
-    assert s.backward == tuple(reversed(s.forward))
-    assert s.backward[0][-1] == micro_batches - 1  # the last stage starts the backward
-    assert s.bubble_fraction == pytest.approx((stages - 1) / (micro_batches + stages - 1))
+    shifts = sum(len(s.shifts(t)) for t in range(len(forward)))
+    assert shifts == (len(forward) - 1 if stages > 1 else 0)
+    backward = [tuple(None if w is None else w.micro_batch for w in tick)
+                for tick in s.work[len(forward):]]  # fmt: skip
+    assert backward == [tuple(None if w is None else w.micro_batch for w in tick)
+                        for tick in reversed(forward)]  # fmt: skip
+    idle = sum(w is None for tick in forward for w in tick)
+    assert idle / (len(forward) * stages) == pytest.approx((stages - 1) / len(forward))
 
 
 @pytest.mark.parametrize(
     ("call", "error", "words"),
     [
-        (lambda: gpipe_schedule(4, 0), ValueError, ["micro_batches=0 is below 1"]),
-        (lambda: gpipe_schedule(0, 4), ValueError, ["stages=0 is below 1"]),
-        (lambda: gpipe_schedule(4, 2.0), TypeError, ["micro_batches must be an int"]),
+        (lambda: make_schedule("gpipe", 4, 0), ValueError, ["micro_batches=0 is below 1"]),
+        (lambda: make_schedule("gpipe", 0, 4), ValueError, ["ranks=0 is below 1"]),
+        (lambda: make_schedule("gpipe", 4, 2.0), TypeError, ["micro_batches must be an int"]),
         (lambda: pipeline_groups(4, 3), ValueError, ["stages=3 does not divide the 4", "2, 4]"]),
         (lambda: pipeline_groups(6, 4), ValueError, ["[1, 2, 3, 6]"]),
         (lambda: pipeline_groups(4, -2), ValueError, ["stages=-2 is below 1"]),
@@ -196,17 +201,18 @@ def test_bad_inputs_raise_in_rank(mesh):
 
 def test_stage_shift_step_is_one_program(mesh):
     inputs, _ = example_batch()
-    s = gpipe_schedule(N, inputs.shape[1])
+    m = inputs.shape[1]
+    shifts = m + N - 2  # one after every forward tick but the last
     fwd, bwd = set(shift_pairs(N, 1, wrap=False)), set(shift_pairs(N, -1, wrap=False))
     for r, traced in enumerate(mesh["traced"]):
         for form in ("shift_open", "shift_ring"):
             cost = step_cost(traced[form], r, N)
             assert cost.programs == 1
-            assert cost.collectives == 2 * s.shifts  # forward shifts + their opposites
+            assert cost.collectives == 2 * shifts  # forward shifts + their opposites
             assert set(cost.kinds) == {"collective-permute"}
             pairs = [set(p) for p in cost.pairs]
             if form == "shift_open":
-                assert pairs == [fwd] * s.shifts + [bwd] * s.shifts
+                assert pairs == [fwd] * shifts + [bwd] * shifts
             else:
                 assert all(forms_complete_rings(p) and len(p) == N for p in pairs)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import test_pipeline_step as mesh_cases
 import torch
+from pipeline_llama import llama_problems
 from pipeline_model import step_problems, training_problems
 from torchrun import torchrun
 
@@ -45,10 +46,18 @@ def test_step_equals_one_device(ranks, name):
     got = [r["cases"][i] for r in ranks]
     case = mesh_cases.CASES[name]
     assert step_problems(case, got) == []
-    s = make_schedule(case["schedule"], case["stages"], case["inputs"].shape[1], case["chunks"])
+    p, v = case["ranks"], case["stages_per_rank"]
+    s = make_schedule(case["schedule"], p, case["inputs"].shape[1], v)
     for r in got:
         assert r["executed"] == tuple(tick[r["position"]] for tick in s.work)
         assert r["live"] == s.in_flight(r["position"])
+
+
+@pytest.mark.parametrize("name", list(mesh_cases.LLAMAS))
+def test_llama_shaped_stages_equal_one_device(ranks, name):
+    i = list(mesh_cases.LLAMAS).index(name)
+    got = [r["llamas"][i] for r in ranks]
+    assert llama_problems(mesh_cases.LLAMAS[name], got) == []
 
 
 @pytest.mark.parametrize("name", list(mesh_cases.TRAININGS))

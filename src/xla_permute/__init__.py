@@ -52,24 +52,12 @@ from xla_permute.pairs import (
 
 # Collectives
 from xla_permute.permute import collective_permute
-from xla_permute.pipeline import (
-    PipelineStep,
-    Schedule,
-    gpipe_schedule,
-    pipeline_forward,
-    pipeline_groups,
-    pipeline_step,
-)
+from xla_permute.pipeline import pipeline_forward, pipeline_groups
 
-# Pipeline schedules as data: GPipe, 1F1B, interleaved 1F1B
-from xla_permute.pipeline_schedule import (
-    PipelineSchedule,
-    Work,
-    interleaved_schedule,
-    make_schedule,
-    one_f_one_b_schedule,
-    split_layers,
-)
+# Pipeline schedules as data: each rank's orders and the schedules they play out
+from xla_permute.pipeline_orders import SCHEDULES, make_schedule, split_layers
+from xla_permute.pipeline_run import PipelineStep, pipeline_step
+from xla_permute.pipeline_schedule import Overlap, PipelineSchedule, Work
 
 # Ring schedules of collective matmul and ring attention, as data
 from xla_permute.schedule import (
@@ -138,8 +126,6 @@ __all__ = [
     "DisagreementError",
     "forms_complete_rings",
     "GatedMLP",
-    "gpipe_schedule",
-    "interleaved_schedule",
     "inverse_pairs",
     "is_ring",
     "make_schedule",
@@ -147,10 +133,10 @@ __all__ = [
     "matmul_then_reduce_scatter",
     "Mesh2D",
     "MeshError",
-    "one_f_one_b_schedule",
     "pipeline_forward",
     "pipeline_groups",
     "pipeline_step",
+    "Overlap",
     "PipelineSchedule",
     "PipelineStep",
     "RankError",
@@ -164,7 +150,6 @@ __all__ = [
     "RingStep",
     "RowParallelLinear",
     "run_on_mesh",
-    "Schedule",
     "schedule_work",
     "SequenceParallelMLP",
     "shard_sequence",
@@ -174,6 +159,7 @@ __all__ = [
     "sum_gradients",
     "swiglu",
     "unshard_sequence",
+    "SCHEDULES",
     "Work",
 ]
 __version__ = "0.1.0"

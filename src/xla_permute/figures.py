@@ -188,106 +188,47 @@ def pairs_figure(
 
 
 def pipeline_schedule_figure(schedule, *, title: str | None = None) -> Figure:
-    """A GPipe schedule as a grid: stages (rows) by ticks (columns), forward then backward.
+    """A :class:`~xla_permute.pipeline_schedule.PipelineSchedule` as a grid: ranks (rows) by
+    ticks (columns), each rank's idle ticks and peak activations beside its row.
 
-    Args:
-        schedule: a :class:`xla_permute.pipeline.Schedule` (e.g. from
-            :func:`xla_permute.pipeline.gpipe_schedule`), the one the pipeline code iterates.
-        title: the figure title.
+    A cell holds the micro-batch: forward blue, backward (``B``) orange, input gradient
+    (``I``) red, weight gradient (``W``) green, darker for a rank's later stages; an
+    overlapped tick (DualPipeV) is split, forward on top; blank is the bubble.
 
-    Cell ``F m`` / ``B m``: the stage runs micro-batch ``m`` forward / backward at that tick;
-    blank: idle (the bubble). A dashed line between two ticks is one stage shift: ``+1``
-    (forward, every stage to the next) or ``-1`` (backward, the opposite shift).
-
-    A :class:`xla_permute.pipeline_schedule.PipelineSchedule` (one step on one time axis) is
-    drawn ranks by ticks, with each rank's idle ticks and peak activations beside its row.
-
-    >>> from xla_permute.pipeline import gpipe_schedule
-    >>> fig = pipeline_schedule_figure(gpipe_schedule(4, 4))
-    >>> labels = [t.get_text() for t in fig.axes[0].texts]
-    >>> labels.count("F 0"), labels.count("B 3"), labels.count("+1"), labels.count("-1")
-    (4, 4, 6, 6)
-    """
-    from matplotlib.patches import Rectangle
-
-    from xla_permute.pipeline_schedule import PipelineSchedule
-
-    if isinstance(schedule, PipelineSchedule):
-        return _step_schedule_figure(schedule, title=title)
-
-    forward, backward = schedule.forward, schedule.backward
-    columns = [("F", tick) for tick in forward] + [("B", tick) for tick in backward]
-    n_fwd, stages = len(forward), schedule.stages
-    fig = new_figure(figsize=(min(MAX_WIDTH, 0.5 * len(columns) + 1.6), 0.5 * stages + 1.3))
-    ax = fig.add_subplot()
-    colors = {"F": "#1f77b4", "B": "#ff7f0e"}
-    gap = 0.6  # between the forward and the backward half
-    for c, (kind, tick) in enumerate(columns):
-        x = c + (gap if kind == "B" else 0.0)
-        for s, m in enumerate(tick):
-            y = stages - 1 - s
-            busy = m is not None
-            ax.add_patch(
-                Rectangle(
-                    (x, y),
-                    0.92,
-                    0.86,
-                    facecolor=colors[kind] if busy else "white",
-                    edgecolor=colors[kind] if busy else "#cccccc",
-                    alpha=0.35 + 0.65 * (m + 1) / schedule.micro_batches if busy else 1.0,
-                )
-            )
-            if busy:
-                ax.text(
-                    x + 0.46, y + 0.43, f"{kind} {m}", ha="center", va="center", fontsize=MIN_FONT
-                )
-    shifts = [(t + 1, "+1") for t in range(n_fwd - 1)]
-    shifts += [(n_fwd + t + 1 + gap, "-1") for t in range(len(backward) - 1)]
-    if stages > 1:
-        for x, label in shifts:
-            ax.plot([x - 0.04, x - 0.04], [-0.1, stages - 0.1], ls="--", lw=0.8, color="#555555")
-            ax.text(x - 0.04, -0.35, label, ha="center", va="center", fontsize=MIN_FONT)
-    ax.set_yticks([stages - 1 - s + 0.43 for s in range(stages)])
-    ax.set_yticklabels([f"stage {s}" for s in range(stages)], fontsize=MIN_FONT)
-    ax.set_xticks([c + 0.46 + (gap if c >= n_fwd else 0.0) for c in range(len(columns))])
-    ax.set_xticklabels([str(c if c < n_fwd else c - n_fwd) for c in range(len(columns))])
-    ax.tick_params(axis="x", labelsize=MIN_FONT)
-    ax.set_xlabel("forward ticks  |  backward ticks", fontsize=MIN_FONT)
-    ax.set_xlim(-0.2, len(columns) + gap + 0.1)
-    ax.set_ylim(-0.6, stages)
-    for side in ("top", "right", "left", "bottom"):
-        ax.spines[side].set_visible(False)
-    if title:
-        ax.set_title(title, fontsize=10)
-    fig.tight_layout()
-    return fig
-
-
-def _step_schedule_figure(schedule, *, title: str | None = None) -> Figure:
-    """Ranks by ticks; a cell holds the micro-batch (forward blue, backward orange, darker
-    for later chunks), blank is the bubble; idle ticks and peak activations from the data.
-
-    >>> from xla_permute.pipeline_schedule import one_f_one_b_schedule
-    >>> fig = pipeline_schedule_figure(one_f_one_b_schedule(4, 8))
+    >>> from xla_permute.pipeline_orders import make_schedule
+    >>> fig = pipeline_schedule_figure(make_schedule("1f1b", 4, 8))
     >>> texts = [t.get_text() for t in fig.axes[0].texts]
     >>> texts.count("7"), texts[-1]
     (8, 'idle 6, peak 1')
     """
     from matplotlib.patches import Rectangle
 
-    p, ticks, v = schedule.stages, schedule.ticks, schedule.chunks
+    from xla_permute.pipeline_schedule import units
+
+    p, ticks, v = schedule.ranks, schedule.ticks, schedule.stages_per_rank
     fig = new_figure(figsize=(min(MAX_WIDTH, 0.3 * ticks + 2.4), 0.42 * p + 1.5))
     ax = fig.add_subplot()
-    shades = {"F": ("#6baed6", "#2171b5", "#08306b"), "B": ("#fdae6b", "#e6550d", "#7f2704")}
+    shades = {
+        "F": ("#6baed6", "#2171b5", "#08306b"),
+        "B": ("#fdae6b", "#e6550d", "#7f2704"),
+        "I": ("#fc9272", "#de2d26", "#67000d"),
+        "W": ("#a1d99b", "#31a354", "#00441b"),
+    }
     for t, tick in enumerate(schedule.work):
-        for r, w in enumerate(tick):
-            y = p - 1 - r
-            color = "white" if w is None else shades[w.kind][min(w.chunk, 2)]  # light to dark
-            ax.add_patch(Rectangle((t, y), 0.94, 0.86, facecolor=color,
-                                   edgecolor="#dddddd" if w is None else "white"))  # fmt: skip
-            if w is not None:
-                ax.text(t + 0.47, y + 0.43, str(w.micro_batch), ha="center", va="center",
-                        fontsize=MIN_FONT, color="white" if w.chunk else "black")  # fmt: skip
+        for r, cell in enumerate(tick):
+            y, parts = p - 1 - r, units(cell)
+            if not parts:
+                ax.add_patch(Rectangle((t, y), 0.94, 0.86, facecolor="white",
+                                       edgecolor="#dddddd"))  # fmt: skip
+            height = 0.86 / max(1, len(parts))
+            for j, w in enumerate(parts):
+                dark = min(schedule.stages_of(r).index(w.stage), 2)  # light to dark
+                bottom = y + 0.86 - (j + 1) * height
+                ax.add_patch(Rectangle((t, bottom), 0.94, height, facecolor=shades[w.kind][dark],
+                                       edgecolor="white"))  # fmt: skip
+                ax.text(t + 0.47, bottom + height / 2, str(w.micro_batch), ha="center",
+                        va="center", fontsize=MIN_FONT,
+                        color="white" if dark else "black")  # fmt: skip
     for r in range(p):
         label = f"idle {schedule.idle_ticks[r]}, peak {schedule.peak_in_flight[r]}"
         ax.text(ticks + 0.4, p - 0.57 - r, label, va="center", fontsize=MIN_FONT)
@@ -295,8 +236,11 @@ def _step_schedule_figure(schedule, *, title: str | None = None) -> Figure:
                   fontsize=MIN_FONT)  # fmt: skip
     shown = range(0, ticks, max(1, ticks // 12))
     ax.set_xticks([t + 0.47 for t in shown], [str(t) for t in shown], fontsize=MIN_FONT)
-    ax.set_xlabel(f"ticks (forward blue, backward orange{', chunk 1 darker' * (v > 1)})",
-                  fontsize=MIN_FONT)  # fmt: skip
+    kinds = {w.kind for tick in schedule.work for cell in tick for w in units(cell)}
+    names = {"F": "forward blue", "B": "backward orange", "I": "input grad red",
+             "W": "weight grad green"}  # fmt: skip
+    legend = ", ".join(names[k] for k in "FBIW" if k in kinds)
+    ax.set_xlabel(f"ticks ({legend}{', later stages darker' * (v > 1)})", fontsize=MIN_FONT)
     ax.set_xlim(-0.2, ticks + 0.2)
     ax.set_ylim(-0.2, p)
     ax.spines[:].set_visible(False)

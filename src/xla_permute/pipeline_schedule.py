@@ -1,35 +1,36 @@
-"""Pipeline schedules as data: GPipe, 1F1B and interleaved 1F1B, tick by tick and rank by rank.
+"""Pipeline schedules as data: each rank's work, tick by tick, and the shifts between ticks.
 
-A pipeline of ``p`` ranks (stages) holds ``v`` model *chunks* per rank: chunk ``c`` of rank
-``r`` is **virtual stage** ``k = c * p + r`` of ``V = p * v`` (``v = 1``: one stage per rank).
-A micro-batch runs forward through virtual stages ``0 .. V-1`` and backward through them in
-reverse. One *tick* is one unit of work per rank, the forward (``F``) or the backward (``B``)
-of one micro-batch on one chunk, or nothing (the bubble). After a tick every rank that did a
-forward hands the output to the next virtual stage and every rank that did a backward hands
-the input gradient to the previous one: at most **one forward shift** (offset ``+1``) and **one
-backward shift** (offset ``-1``) per tick, each one :func:`~xla_permute.shift.stage_shift`.
-A hand-off from virtual stage ``c*p + p-1`` to ``(c+1)*p`` goes from the last rank to the first:
-interleaved schedules need the ring form of the shift.
+Words, as PyTorch's ``torch.distributed.pipelining`` uses them: the model is cut into
+``stages`` (virtual stages) ``0 .. S-1``, placed on ``ranks`` ``p`` ranks, ``stages_per_rank``
+``v = S / p`` on each. **Loop** placement (Megatron's): stage ``k`` on rank ``k mod p``.
+**V** placement (ZB-V, DualPipeV; ``v = 2``): stages ``r`` and ``2p-1-r`` on rank ``r``, so the
+model runs down the ranks and back up, and the turn (stage ``p-1`` to ``p``) stays on rank
+``p-1``. A micro-batch runs forward through stages ``0 .. S-1`` and backward in reverse.
 
-Each schedule is each rank's **order** of work (the policy) played out tick by tick: a rank
-runs its next item as soon as its input arrived (a forward needs the previous virtual stage's
-forward one tick earlier; a backward the next virtual stage's backward one tick earlier, or,
-on the last virtual stage, its own forward). The orders:
+A unit of :class:`Work` is one micro-batch on one stage: its forward ``F``, its backward ``B``,
+or the backward split in two, ``I`` (the input gradient, which the previous stage waits for)
+and ``W`` (the weight gradient, which nobody waits for, so a schedule may run it later). One
+*tick* is one cell per rank: a unit, an :class:`Overlap` (DualPipeV: a forward and a backward
+of two stages in one tick) or nothing (the bubble). After a tick every unit hands its output on:
+a forward its activation to the next stage, a ``B`` or ``I`` the input gradient to the previous
+one. A hand-off to another rank goes ``+1`` or ``-1`` ranks; all of a tick's hand-offs one way
+are **one** :func:`~xla_permute.shift.stage_shift` (two tensors from one rank the same way, as
+in an overlapped tick of DualPipeV, travel stacked in that one permute); a hand-off that stays
+on its rank (the V's turn) is no shift at all.
 
-* GPipe: every forward, then every backward (last micro-batch first);
-* 1F1B (PipeDream-flush, Megatron's non-interleaved schedule): ``p - r - 1`` warm-up forwards,
-  then one forward one backward, then the remaining backwards;
-* interleaved 1F1B (Megatron's): forwards in groups of ``p`` micro-batches per chunk,
-  ``2 (p - r - 1) + (v - 1) p`` warm-up forwards, then one forward one backward (``m >= p``;
-  when ``p`` does not divide ``m`` the last group takes the remainder).
+Each schedule is each rank's **order** of work (the policy, in
+:mod:`xla_permute.pipeline_orders`) played out tick by tick: a rank runs its next cell as soon
+as its inputs arrived (a forward needs the previous stage's forward one tick earlier; ``B`` or
+``I`` the next stage's ``B`` or ``I`` one tick earlier, or, on the last stage, its own forward;
+``W`` its own ``I``). Every unit takes one tick. Counted from the data:
+:attr:`~PipelineSchedule.idle_ticks` (the bubble) and :attr:`~PipelineSchedule.peak_in_flight`
+(the activations a rank holds: a forward adds one, ``B`` or ``W`` frees it; ``I`` keeps it for
+``W``).
 
-Counted from the data (ticks of equal length, forward = backward): the bubble is
-``(p-1)/(m+p-1)`` for GPipe and 1F1B and ``(p-1)/(v m + p-1)`` interleaved; the peak number of
-micro-batches whose activations a rank holds is ``m`` for GPipe and at most ``p`` for 1F1B.
-
->>> s = one_f_one_b_schedule(stages=2, micro_batches=3)
+>>> from xla_permute.pipeline_orders import make_schedule
+>>> s = make_schedule("1f1b", ranks=2, micro_batches=3)
 >>> [" ".join(str(w) if w else "." for w in tick) for tick in s.work]
-['F0 .', 'F1 F0', '. B0', 'B0 F1', 'F2 B1', 'B1 F2', '. B2', 'B2 .']
+['0F0 .', '0F1 1F0', '. 1B0', '0B0 1F1', '0F2 1B1', '0B1 1F2', '. 1B2', '0B2 .']
 >>> s.ticks, s.bubble_fraction, s.peak_in_flight
 (8, 0.25, (2, 1))
 """
@@ -39,23 +40,21 @@ from __future__ import annotations
 import contextlib
 import operator
 from dataclasses import dataclass
-from fractions import Fraction
 from functools import cached_property
 from typing import Literal
 
 __all__ = [
-    "SCHEDULES",
+    "Cell",
+    "Overlap",
     "PipelineSchedule",
     "Send",
     "Work",
-    "gpipe_step_schedule",
-    "interleaved_schedule",
-    "make_schedule",
-    "one_f_one_b_schedule",
-    "split_layers",
+    "play",
+    "units",
 ]
 
-SCHEDULES: tuple[str, ...] = ("gpipe", "1f1b", "interleaved")
+Kind = Literal["F", "B", "I", "W"]
+Placement = Literal["loop", "v"]
 
 
 def check_count(value: object, name: str, fix: str) -> int:
@@ -71,312 +70,227 @@ def check_count(value: object, name: str, fix: str) -> int:
 
 @dataclass(frozen=True, order=True)
 class Work:
-    """One unit of work: the forward (``"F"``) or backward (``"B"``) of ``micro_batch`` on
-    this rank's ``chunk``."""
+    """One unit: ``kind`` (``F``, ``B``, ``I`` or ``W``) of ``micro_batch`` on ``stage`` (the
+    virtual stage, counted over the whole model). Printed as PyTorch prints its actions:
+    ``1F0`` is stage 1's forward of micro-batch 0."""
 
-    kind: Literal["F", "B"]
+    kind: Kind
     micro_batch: int
-    chunk: int = 0
+    stage: int = 0
 
     def __str__(self) -> str:
-        chunk = f".{self.chunk}" if self.chunk else ""
-        return f"{self.kind}{self.micro_batch}{chunk}"
+        return f"{self.stage}{self.kind}{self.micro_batch}"
+
+
+@dataclass(frozen=True)
+class Overlap:
+    """A forward and a backward (``B`` or ``I``) of two stages on one rank in one tick
+    (DualPipeV's overlapped ticks: one unit's compute hides the other's communication)."""
+
+    forward: Work
+    backward: Work
+
+    def __str__(self) -> str:
+        return f"({self.forward};{self.backward})"
+
+
+#: What one rank runs in one tick, a unit, an overlapped pair or nothing (idle).
+Cell = Work | Overlap | None
+
+
+def units(cell: Cell) -> tuple[Work, ...]:
+    """The units of one cell, in the order they run."""
+    if cell is None:
+        return ()
+    return (cell.forward, cell.backward) if isinstance(cell, Overlap) else (cell,)
 
 
 @dataclass(frozen=True)
 class Send:
-    """What a rank hands on after a tick: ``offset`` +1 (an activation, to the next virtual
-    stage) or -1 (a gradient, to the previous one), for ``micro_batch``, arriving at the
-    receiver's ``chunk``."""
+    """A hand-off after a tick: ``offset`` ranks on (``+1``, ``-1``, or ``0``: stays on the
+    rank), for the receiver's ``kind`` of unit (``"F"``: an activation; ``"B"``: a gradient,
+    for its ``B`` or ``I``) of ``micro_batch`` on ``stage``."""
 
     offset: int
+    kind: Literal["F", "B"]
     micro_batch: int
-    chunk: int
+    stage: int
 
 
 @dataclass(frozen=True)
 class PipelineSchedule:
-    """Which work every rank does at every tick, and what it sends which way after it.
+    """Which cell every rank runs at every tick, and what it hands on after it.
 
-    ``work[t][r]``: rank ``r``'s :class:`Work` at tick ``t`` (``None``: idle, the bubble).
-    ``sends[t][r]``: what rank ``r`` hands on after tick ``t`` (a :class:`Send` or ``None``);
-    ``receives(t, r)``: what arrives at rank ``r`` after tick ``t``. Every figure below is
+    ``work[t][r]``: rank ``r``'s :data:`Cell` at tick ``t`` (``None``: idle). ``sends[t][r]``:
+    what rank ``r`` hands on after tick ``t``; :meth:`receives`: what arrives. Every figure is
     counted from ``work``.
     """
 
     name: str
-    stages: int
+    ranks: int
     micro_batches: int
-    chunks: int
-    work: tuple[tuple[Work | None, ...], ...]
+    stages_per_rank: int
+    work: tuple[tuple[Cell, ...], ...]
+    placement: Placement = "loop"
 
     @property
-    def virtual_stages(self) -> int:
-        return self.stages * self.chunks
+    def stages(self) -> int:
+        """Virtual stages of the model, ``ranks * stages_per_rank``."""
+        return self.ranks * self.stages_per_rank
 
     @property
     def ticks(self) -> int:
         return len(self.work)
 
-    def virtual_stage(self, rank: int, chunk: int) -> int:
-        """``chunk * stages + rank``: where rank ``rank``'s chunk sits in the model."""
-        return chunk * self.stages + rank
+    def rank_of(self, stage: int) -> int:
+        """The rank that holds ``stage``: ``stage mod p`` (loop), or the V's."""
+        p = self.ranks
+        if self.placement == "v":
+            return stage if stage < p else 2 * p - 1 - stage
+        return stage % p
+
+    def stages_of(self, rank: int) -> tuple[int, ...]:
+        """The stages ``rank`` holds, in model order: its stage modules, first to last."""
+        return tuple(k for k in range(self.stages) if self.rank_of(k) == rank)
+
+    def send_of(self, rank: int, w: Work) -> Send | None:
+        if w.kind == "F" and w.stage < self.stages - 1:
+            kind, to = "F", w.stage + 1
+        elif w.kind in "BI" and w.stage > 0:
+            kind, to = "B", w.stage - 1
+        else:
+            return None
+        dest = self.rank_of(to)
+        if dest == rank:
+            offset = 0
+        elif self.placement == "v":
+            offset = dest - rank
+        else:  # the loop's ring: forwards go +1, gradients -1
+            offset = +1 if kind == "F" else -1
+        return Send(offset, kind, w.micro_batch, to)  # type: ignore[arg-type]
 
     @cached_property
-    def sends(self) -> tuple[tuple[Send | None, ...], ...]:
-        p, last = self.stages, self.virtual_stages - 1
-
-        def send(r: int, w: Work | None) -> Send | None:
-            if w is None:
-                return None
-            k = self.virtual_stage(r, w.chunk)
-            if w.kind == "F" and k < last:
-                return Send(+1, w.micro_batch, (k + 1) // p)
-            if w.kind == "B" and k > 0:
-                return Send(-1, w.micro_batch, (k - 1) // p)
-            return None
-
-        return tuple(tuple(send(r, w) for r, w in enumerate(tick)) for tick in self.work)
-
-    def receives(self, tick: int, rank: int) -> dict[int, Send]:
-        """What arrives at ``rank`` after ``tick``, by offset (+1: an activation from rank
-        ``rank - 1``, -1: a gradient from ``rank + 1``, both modulo ``stages``)."""
-        sends, p = self.sends[tick], self.stages
-        out = {}
-        for offset in (+1, -1):
-            s = sends[(rank - offset) % p]
-            if s is not None and s.offset == offset and p > 1:
-                out[offset] = s
-        return out
+    def sends(self) -> tuple[tuple[tuple[Send, ...], ...], ...]:
+        """``sends[t][r]``: rank ``r``'s hand-offs after tick ``t``, in the order of its units."""
+        return tuple(
+            tuple(
+                tuple(s for w in units(cell) if (s := self.send_of(r, w)) is not None)
+                for r, cell in enumerate(tick)
+            )
+            for tick in self.work
+        )
 
     def shifts(self, tick: int) -> tuple[int, ...]:
-        """The shifts every rank issues after ``tick``: ``+1`` when some rank sends an
-        activation, ``-1`` when some rank sends a gradient (at most one of each)."""
-        sent = {s.offset for s in self.sends[tick] if s is not None}
+        """The shifts every rank issues after ``tick``: ``+1`` when some rank hands on to the
+        next rank, ``-1`` to the previous one (at most one of each; none for a hand-off that
+        stays on its rank)."""
+        sent = {s.offset for sends in self.sends[tick] for s in sends}
         return tuple(o for o in (+1, -1) if o in sent)
+
+    def slots(self, tick: int, offset: int) -> int:
+        """Tensors one rank sends ``offset`` after ``tick``, at most (stacked into one shift)."""
+        return max(sum(s.offset == offset for s in sends) for sends in self.sends[tick])
+
+    def receives(self, tick: int, rank: int) -> dict[int, tuple[Send, ...]]:
+        """What arrives at ``rank`` after ``tick``, by offset, in the order of the shift's
+        stacked slots (``+1``: from rank ``rank - 1``, ``-1``: from ``rank + 1``, modulo
+        ``ranks``; ``0``: from this rank itself)."""
+        out = {}
+        for offset in (+1, -1, 0):
+            sent = self.sends[tick][(rank - offset) % self.ranks]
+            got = tuple(s for s in sent if s.offset == offset)
+            if got:
+                out[offset] = got
+        return out
 
     @property
     def shift_count(self) -> int:
         """Stage shifts in one step (each one permute)."""
         return sum(len(self.shifts(t)) for t in range(self.ticks))
 
-    @property
+    @cached_property
     def needs_ring(self) -> bool:
-        """Whether the last rank hands on to the first, as interleaved schedules do (chunk
-        ``c`` of the last rank feeds chunk ``c + 1`` of the first)."""
-        return self.chunks > 1
+        """Whether some hand-off goes from the last rank to the first or back (interleaved
+        loop placement: stage ``c p + p-1`` feeds stage ``(c+1) p`` on rank 0)."""
+        p = self.ranks
+        return p > 1 and any(
+            (s.offset == +1 and r == p - 1) or (s.offset == -1 and r == 0)
+            for tick in self.sends
+            for r, sends in enumerate(tick)
+            for s in sends
+        )
 
     @property
     def idle_ticks(self) -> tuple[int, ...]:
         """Idle ticks per rank."""
-        return tuple(sum(tick[r] is None for tick in self.work) for r in range(self.stages))
+        return tuple(sum(tick[r] is None for tick in self.work) for r in range(self.ranks))
 
     @property
     def bubble_fraction(self) -> float:
         """Idle rank-ticks over all rank-ticks."""
-        return sum(self.idle_ticks) / (self.ticks * self.stages)
-
-    @property
-    def theory_bubble_fraction(self):  # a fractions.Fraction, exact
-        """The textbook bubble as an exact fraction, ``(p-1)/(m+p-1)`` for GPipe and 1F1B
-        and ``(p-1)/(v m + p-1)`` interleaved."""
-        p, m, v = self.stages, self.micro_batches, self.chunks
-        return Fraction(p - 1, v * m + p - 1)
+        return sum(self.idle_ticks) / (self.ticks * self.ranks)
 
     def in_flight(self, rank: int) -> tuple[int, ...]:
-        """Per tick, the (micro-batch, chunk) activations rank ``rank`` holds after the tick:
-        forwards done whose backward has not run."""
+        """Per tick, the stage activations ``rank`` holds after the tick: forwards whose
+        ``B`` (or ``W``) has not run."""
         live, out = 0, []
         for tick in self.work:
-            w = tick[rank]
-            if w is not None:
-                live += 1 if w.kind == "F" else -1
+            for w in units(tick[rank]):
+                live += {"F": 1, "B": -1, "W": -1, "I": 0}[w.kind]
             out.append(live)
         return tuple(out)
 
     @property
     def peak_in_flight(self) -> tuple[int, ...]:
-        """Per rank, the most chunk activations held at once (in micro-batches of one chunk;
-        divide by ``chunks`` for stage-sized activations)."""
-        return tuple(max(self.in_flight(r)) for r in range(self.stages))
+        """Per rank, the most stage activations held at once (each ``1 / stages_per_rank``
+        of a rank's share of the model)."""
+        return tuple(max(self.in_flight(r)) for r in range(self.ranks))
 
 
-def _play(name: str, stages: int, micro_batches: int, chunks: int, orders) -> PipelineSchedule:
-    """Play each rank's order out tick by tick, every item as early as its input allows."""
-    p, last = stages, stages * chunks - 1
-    done: dict[tuple[str, int, int], int] = {}  # (kind, micro-batch, virtual stage) -> tick
+def _needs(w: Work, last: int) -> tuple[str, int, int] | None:
+    """The unit whose output ``w`` waits for: ``("F"|"B", micro-batch, stage)`` (``"B"``
+    stands for the backward or input gradient of that stage)."""
+    if w.kind == "F":
+        return None if w.stage == 0 else ("F", w.micro_batch, w.stage - 1)
+    if w.kind == "W":
+        return ("B", w.micro_batch, w.stage)
+    return ("F", w.micro_batch, w.stage) if w.stage == last else ("B", w.micro_batch, w.stage + 1)
+
+
+def play(
+    name: str,
+    ranks: int,
+    micro_batches: int,
+    stages_per_rank: int,
+    orders: list[list[Cell]],
+    placement: Placement = "loop",
+) -> PipelineSchedule:
+    """Play each rank's order out tick by tick, every cell as early as its inputs allow.
+
+    ``orders[r]``: rank ``r``'s cells in the order it runs them (``None`` entries are
+    dropped). Raises RuntimeError for orders that wait for each other forever.
+    """
+    p, last = ranks, ranks * stages_per_rank - 1
+    orders = [[c for c in order if c is not None] for order in orders]
+    done: dict[tuple[str, int, int], int] = {}  # (F|B, micro-batch, stage) -> tick
     position = [0] * p
-    work: list[tuple[Work | None, ...]] = []
+    work: list[tuple[Cell, ...]] = []
     total = sum(len(o) for o in orders)
     t = 0
     while sum(position) < total:
-        row: list[Work | None] = [None] * p
+        row: list[Cell] = [None] * p
         for r in range(p):
-            if position[r] == len(orders[r]):
-                continue
-            w = orders[r][position[r]]
-            k = w.chunk * p + r
-            if w.kind == "F":
-                need = None if k == 0 else ("F", w.micro_batch, k - 1)
-            else:
-                need = ("F", w.micro_batch, k) if k == last else ("B", w.micro_batch, k + 1)
-            if need is None or done.get(need, t) < t:
-                row[r] = w
-        for r, w in enumerate(row):
-            if w is not None:
-                done[(w.kind, w.micro_batch, w.chunk * p + r)] = t
-                position[r] += 1
+            if position[r] < len(orders[r]):
+                cell = orders[r][position[r]]
+                needs = [_needs(w, last) for w in units(cell)]
+                if all(n is None or done.get(n, t) < t for n in needs):
+                    row[r] = cell
+        for r, cell in enumerate(row):
+            for w in units(cell):
+                done[(w.kind if w.kind in "FW" else "B", w.micro_batch, w.stage)] = t
+            position[r] += cell is not None
         work.append(tuple(row))
         t += 1
-        if t > 4 * total + 4 * p:  # an order that waits for itself (never for ours)
+        if t > 4 * total + 4 * p:
             raise RuntimeError(f"the {name} orders deadlock at tick {t}")
-    return PipelineSchedule(name, stages, micro_batches, chunks, tuple(work))
-
-
-def _check(stages: object, micro_batches: object) -> tuple[int, int]:
-    p = check_count(stages, "stages", "a pipeline needs at least one stage")
-    m = check_count(micro_batches, "micro_batches", "pass at least one micro-batch")
-    return p, m
-
-
-def gpipe_step_schedule(stages: int, micro_batches: int) -> PipelineSchedule:
-    """GPipe as one step of ticks: all forwards, then all backwards (last micro-batch first).
-
-    >>> s = gpipe_step_schedule(4, 8)
-    >>> s.ticks, s.bubble_fraction == 3 / 11, s.peak_in_flight
-    (22, True, (8, 8, 8, 8))
-    """
-    p, m = _check(stages, micro_batches)
-    orders = [
-        [Work("F", i) for i in range(m)] + [Work("B", i) for i in reversed(range(m))]
-        for _ in range(p)
-    ]
-    return _play("gpipe", p, m, 1, orders)
-
-
-def one_f_one_b_schedule(stages: int, micro_batches: int) -> PipelineSchedule:
-    """1F1B with a flush: ``p - r - 1`` warm-up forwards on rank ``r``, then one forward one
-    backward, then the remaining backwards. Any ``m >= 1`` (``m < p``: fewer warm-ups).
-
-    >>> s = one_f_one_b_schedule(4, 8)
-    >>> s.ticks, s.bubble_fraction == 3 / 11, s.peak_in_flight
-    (22, True, (4, 3, 2, 1))
-    """
-    p, m = _check(stages, micro_batches)
-    orders = []
-    for r in range(p):
-        warmup = min(p - r - 1, m)
-        order = [Work("F", i) for i in range(warmup)]
-        for i in range(m - warmup):
-            order += [Work("F", warmup + i), Work("B", i)]
-        order += [Work("B", i) for i in range(m - warmup, m)]
-        orders.append(order)
-    return _play("1f1b", p, m, 1, orders)
-
-
-def _megatron_table(m: int, v: int, group: int) -> list[tuple[int, int]]:
-    """Megatron's order of (micro-batch, chunk): groups of ``group`` micro-batches run chunk
-    by chunk; the last group takes the remainder (``m % group``)."""
-    table = []
-    for first in range(0, m, group):
-        end = m if first + 2 * group > m else first + group
-        table += [(i, c) for c in range(v) for i in range(first, end)]
-        if end == m:
-            break
-    return table
-
-
-def interleaved_schedule(stages: int, micro_batches: int, chunks: int) -> PipelineSchedule:
-    """Megatron's interleaved 1F1B: ``chunks`` model chunks per rank (virtual stages).
-
-    Forwards run in groups of ``p`` micro-batches, chunk 0 then chunk 1 ... (the last group
-    also takes the ``m mod p`` left over); backwards in the same order with the chunks
-    reversed. Rank ``r`` warms up with ``2 (p - r - 1) + (v - 1) g`` forwards (all of them when
-    that is more), then alternates; ``g = p``, or the last group's size ``p + m mod p`` when
-    ``p`` does not divide ``m`` (a larger group needs that many more forwards in flight to keep
-    the last stage fed: ``(v - 1) (m mod p)`` more activations held, the same bubble).
-    ``chunks=1`` is :func:`one_f_one_b_schedule`.
-
-    Raises ValueError for ``micro_batches < stages`` with ``chunks > 1``: the groups of ``p``
-    micro-batches are what keeps every rank's next chunk fed.
-
-    >>> s = interleaved_schedule(4, 8, 2)
-    >>> s.ticks, s.bubble_fraction == 3 / 19, s.peak_in_flight
-    (38, True, (11, 9, 7, 5))
-    """
-    p, m = _check(stages, micro_batches)
-    v = check_count(chunks, "chunks", "every rank holds at least one model chunk")
-    if v == 1:
-        return one_f_one_b_schedule(p, m)
-    if m < p:
-        raise ValueError(
-            f"micro_batches={m} is below stages={p}: the interleaved schedule runs micro-batches "
-            f"through each chunk in groups of {p} (one per stage), so pass micro_batches >= {p} "
-            f"(a multiple of {p} keeps the groups equal), or chunks=1 for plain 1F1B"
-        )
-    table = _megatron_table(m, v, p)
-    last_group = p + m % p if m >= 2 * p else m  # the last group takes the remainder
-    total = m * v
-    orders = []
-    for r in range(p):
-        forwards = [Work("F", i, c) for i, c in table]
-        backwards = [Work("B", i, v - 1 - c) for i, c in table]
-        warmup = min(2 * (p - r - 1) + (v - 1) * last_group, total)
-        order = forwards[:warmup]
-        for j in range(total - warmup):
-            order += [forwards[warmup + j], backwards[j]]
-        order += backwards[total - warmup :]
-        orders.append(order)
-    return _play("interleaved", p, m, v, orders)
-
-
-def make_schedule(name: str, stages: int, micro_batches: int, chunks: int = 1) -> PipelineSchedule:
-    """The schedule ``name`` (``"gpipe"``, ``"1f1b"`` or ``"interleaved"``) as data.
-
-    >>> make_schedule("1f1b", 2, 4) == one_f_one_b_schedule(2, 4)
-    True
-    >>> make_schedule("gpipe", 2, 4, chunks=2)
-    Traceback (most recent call last):
-    ...
-    ValueError: chunks=2 needs schedule='interleaved'; ...
-    """
-    if name not in SCHEDULES:
-        raise ValueError(f"schedule must be one of {SCHEDULES}, got {name!r}")
-    v = check_count(chunks, "chunks", "every rank holds at least one model chunk")
-    if name == "interleaved":
-        return interleaved_schedule(stages, micro_batches, v)
-    if v != 1:
-        raise ValueError(
-            f"chunks={v} needs schedule='interleaved'; {name} runs one chunk per rank "
-            f"(pass one chunk per rank, or schedule='interleaved')"
-        )
-    if name == "gpipe":
-        return gpipe_step_schedule(stages, micro_batches)
-    return one_f_one_b_schedule(stages, micro_batches)
-
-
-def split_layers(layers: int, stages: int, chunks: int = 1) -> tuple[tuple[range, ...], ...]:
-    """Which layers each rank's chunks hold: ``result[r][c]`` is the range of layers of
-    virtual stage ``c * stages + r``, ``layers / (stages * chunks)`` consecutive layers each.
-
-    >>> split_layers(8, 2, 2)
-    ((range(0, 2), range(4, 6)), (range(2, 4), range(6, 8)))
-    >>> split_layers(6, 2, 2)
-    Traceback (most recent call last):
-    ...
-    ValueError: layers=6 do not split into 2 stages x 2 chunks = 4 equal chunks; ...
-    """
-    n = check_count(layers, "layers", "a model has at least one layer")
-    p = check_count(stages, "stages", "a pipeline needs at least one stage")
-    v = check_count(chunks, "chunks", "every rank holds at least one model chunk")
-    if n % (p * v):
-        fits = [c for c in range(1, n + 1) if n % (p * c) == 0]
-        raise ValueError(
-            f"layers={n} do not split into {p} stages x {v} chunks = {p * v} equal chunks; "
-            f"use a number of layers divisible by {p * v}"
-            + (f", or chunks in {fits}" if fits else f", or fewer stages than {p}")
-        )
-    size = n // (p * v)
-    return tuple(
-        tuple(range((c * p + r) * size, (c * p + r + 1) * size) for c in range(v)) for r in range(p)
-    )
+    return PipelineSchedule(name, ranks, micro_batches, stages_per_rank, tuple(work), placement)

@@ -2,9 +2,10 @@
 
 The schedule (:mod:`xla_permute.pipeline_schedule`) says which work each rank runs in which
 order; this module gives each unit a duration and plays it out. A forward of one micro-batch on
-one chunk takes ``t_forward / v`` (``t_forward``: a whole stage of ``1/p`` of the model),
-a backward ``backward_ratio`` times that (2 for a transformer without recomputation), and
-every hand-off between ranks ``t_shift``. Two ways to play it out:
+one stage takes ``t_forward / v`` (``t_forward``: a rank's whole ``1/p`` of the model, in ``v``
+stages), a backward ``B`` ``backward_ratio`` times that (2 for a transformer without
+recomputation; ``I`` and ``W`` half of it each), and every hand-off between ranks ``t_shift``.
+Two ways to play it out:
 
 * ``lockstep=False``, point-to-point (send/recv, ``torch.distributed``): a rank starts its
   next unit as soon as it is free and its input has arrived::
@@ -23,7 +24,7 @@ activations a rank holds, ``max(schedule.peak_in_flight) / v``.
 Not modelled: weights, gradients and optimizer state (the same for every schedule), the loss
 head's size, recomputation, overlap of a shift with the next unit's compute.
 
->>> from xla_permute.pipeline_schedule import make_schedule
+>>> from xla_permute.pipeline_orders import make_schedule
 >>> s = make_schedule("1f1b", 4, 8)
 >>> step_time(s, t_forward=1.0, backward_ratio=1.0) == s.ticks  # unit ticks, no shift cost
 True
@@ -33,7 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_permute.pipeline_schedule import PipelineSchedule, make_schedule
+from xla_permute.pipeline_orders import make_schedule
+from xla_permute.pipeline_schedule import PipelineSchedule, units
 
 __all__ = [
     "PipelinePrediction",
@@ -45,8 +47,10 @@ __all__ = [
 
 
 def _unit(schedule: PipelineSchedule, kind: str, t_forward: float, ratio: float) -> float:
-    chunk = t_forward / schedule.chunks
-    return chunk if kind == "F" else chunk * ratio
+    stage = t_forward / schedule.stages_per_rank
+    if kind == "F":
+        return stage
+    return stage * ratio / 2 if kind in "IW" else stage * ratio  # B = I + W, halves
 
 
 def step_time(
@@ -59,34 +63,38 @@ def step_time(
 ) -> float:
     """The time of one step of ``schedule`` (see the module docstring for the two models).
 
-    ``t_forward``: the forward of one micro-batch through one whole stage (all of a rank's
-    chunks); ``backward_ratio``: backward / forward time; ``t_shift``: one hand-off.
+    ``t_forward``: the forward of one micro-batch through all of a rank's stages;
+    ``backward_ratio``: backward / forward time; ``t_shift``: one hand-off.
     """
     if t_forward < 0 or backward_ratio < 0 or t_shift < 0:
         raise ValueError("t_forward, backward_ratio and t_shift must be >= 0")
-    p, last = schedule.stages, schedule.virtual_stages - 1
+    p, last = schedule.ranks, schedule.stages - 1
     if lockstep:
         total = 0.0
         for t, tick in enumerate(schedule.work):
-            busy = [_unit(schedule, w.kind, t_forward, backward_ratio) for w in tick if w]
+            busy = [
+                sum(_unit(schedule, w.kind, t_forward, backward_ratio) for w in units(cell))
+                for cell in tick
+            ]
             total += max(busy, default=0.0) + t_shift * len(schedule.shifts(t))
         return total
     end: dict[tuple[str, int, int], float] = {}
     free = [0.0] * p
     for tick in schedule.work:  # ticks order the units so that every input comes first
-        for r, w in enumerate(tick):
-            if w is None:
-                continue
-            k = schedule.virtual_stage(r, w.chunk)
-            if w.kind == "F":
-                ready = 0.0 if k == 0 else end["F", w.micro_batch, k - 1] + t_shift
-            elif k == last:
-                ready = end["F", w.micro_batch, k]
-            else:
-                ready = end["B", w.micro_batch, k + 1] + t_shift
-            start = max(free[r], ready)
-            free[r] = start + _unit(schedule, w.kind, t_forward, backward_ratio)
-            end[w.kind, w.micro_batch, k] = free[r]
+        for r, cell in enumerate(tick):
+            for w in units(cell):
+                k, i = w.stage, w.micro_batch
+                if w.kind == "F":
+                    ready = 0.0 if k == 0 else end["F", i, k - 1] + t_shift
+                elif w.kind == "W":
+                    ready = end["B", i, k]
+                elif k == last:
+                    ready = end["F", i, k]
+                else:
+                    ready = end["B", i, k + 1] + t_shift
+                start = max(free[r], ready)
+                free[r] = start + _unit(schedule, w.kind, t_forward, backward_ratio)
+                end["F" if w.kind == "F" else w.kind if w.kind == "W" else "B", i, k] = free[r]
     return max(free)
 
 
@@ -98,9 +106,9 @@ class PipelinePrediction:
     ``activations`` a rank holds, in stage-sized activations."""
 
     name: str
-    stages: int
+    ranks: int
     micro_batches: int
-    chunks: int
+    stages_per_rank: int
     step_time: float
     ideal: float
     bubble_fraction: float
@@ -117,9 +125,9 @@ class PipelinePrediction:
 
 def predict_pipeline(
     name: str,
-    stages: int,
+    ranks: int,
     micro_batches: int,
-    chunks: int = 1,
+    stages_per_rank: int = 1,
     *,
     t_forward: float = 1.0,
     backward_ratio: float = 2.0,
@@ -127,14 +135,14 @@ def predict_pipeline(
     lockstep: bool = False,
 ) -> PipelinePrediction:
     """:func:`step_time` and the memory of the schedule ``name`` (see
-    :func:`xla_permute.pipeline_schedule.make_schedule`).
+    :func:`xla_permute.pipeline_orders.make_schedule`).
 
     >>> one = predict_pipeline("1f1b", 8, 32)
     >>> two = predict_pipeline("interleaved", 8, 32, 2)
     >>> round(two.throughput_ratio(one), 3), one.activations, two.activations
     (1.099, 8.0, 11.5)
     """
-    s = make_schedule(name, stages, micro_batches, chunks)
+    s = make_schedule(name, ranks, micro_batches, stages_per_rank)
     time = step_time(
         s,
         t_forward=t_forward,
@@ -144,13 +152,13 @@ def predict_pipeline(
     )
     return PipelinePrediction(
         name=name,
-        stages=stages,
+        ranks=ranks,
         micro_batches=micro_batches,
-        chunks=chunks,
+        stages_per_rank=stages_per_rank,
         step_time=time,
         ideal=micro_batches * (1 + backward_ratio) * t_forward,
         bubble_fraction=s.bubble_fraction,
-        activations=max(s.peak_in_flight) / chunks,
+        activations=max(s.peak_in_flight) / stages_per_rank,
     )
 
 
@@ -164,11 +172,11 @@ TORCHTITAN_405B = {
 }
 
 
-def torchtitan_comparison(micro_batches: int = 32, chunks: int = 2) -> dict[str, float]:
+def torchtitan_comparison(micro_batches: int = 32, stages_per_rank: int = 2) -> dict[str, float]:
     """The model's 1F1B -> interleaved ratios at torchtitan's PP 8 beside the published ones.
 
     Assumed (the table does not say): ``micro_batches`` micro-batches per step (local batch
-    32 in micro-batches of 1) and ``chunks`` chunks per rank; no shift cost. Returns the
+    32 in micro-batches of 1) and ``stages_per_rank`` stages per rank; no shift cost. Returns the
     predicted and published throughput ratios and activation-memory / total-memory ratios.
 
     >>> c = torchtitan_comparison()
@@ -176,7 +184,7 @@ def torchtitan_comparison(micro_batches: int = 32, chunks: int = 2) -> dict[str,
     (1.28, 1.099)
     """
     one = predict_pipeline("1f1b", 8, micro_batches)
-    inter = predict_pipeline("interleaved", 8, micro_batches, chunks)
+    inter = predict_pipeline("interleaved", 8, micro_batches, stages_per_rank)
     published = TORCHTITAN_405B
     return {
         "predicted_throughput": inter.throughput_ratio(one),

@@ -53,6 +53,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: a training step with parameter aliasing off (the mesh's default) and on",
     )  # fmt: skip
     parser.add_argument(
+        "--pipeline", action="store_true",
+        help="instead: step time of every pipeline schedule side by side on -n gloo processes",
+    )  # fmt: skip
+    parser.add_argument(
         "--backend", choices=("xla", "c10d"), default="xla",
         help="xla: the CPU mesh (default); c10d: real processes on torch.distributed (gloo), "
         "ring vs baseline wall time at --processes",
@@ -87,6 +91,8 @@ def run_from_args(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 2
+    if getattr(args, "pipeline", False):
+        return _run_pipeline(args)
     if getattr(args, "backend", "xla") == "c10d":
         return _run_c10d(args)
     if getattr(args, "aliasing", False):
@@ -111,6 +117,27 @@ def run_from_args(args: argparse.Namespace) -> int:
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         print_progress(f"wrote {args.json}")
+    return 0 if all(c["ok"] for c in result["checks"]) else 1
+
+
+def _run_pipeline(args: argparse.Namespace) -> int:
+    """``bench --pipeline``: every schedule on torch.distributed (tools/bench/pipeline.py)."""
+    from xla_permute.tools.bench.pipeline import (
+        config_with,
+        format_pipeline_report,
+        run_pipeline_bench,
+    )
+
+    try:
+        preset = "tiny" if args.preset == "tiny" else "default"
+        config = config_with(preset, n=args.n, repeats=args.repeats)
+    except ValueError as e:
+        print(f"bench: {e}", file=sys.stderr)
+        return 2
+    result = run_pipeline_bench(config)
+    print(format_pipeline_report(result))
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
     return 0 if all(c["ok"] for c in result["checks"]) else 1
 
 

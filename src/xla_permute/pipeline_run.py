@@ -1,0 +1,405 @@
+"""A training step of any pipeline schedule on stage shifts: :func:`pipeline_step`.
+
+Each rank runs its own column of a :class:`~xla_permute.pipeline_schedule.PipelineSchedule`
+(GPipe, 1F1B, interleaved 1F1B, Looped BFS, ZB-H1, ZB1P, ZB-V, DualPipeV, or one of your own):
+forwards, fused backwards ``B``, input gradients ``I`` and weight gradients ``W`` as the
+schedule orders them, gradients accumulated over micro-batches, and every rank issues the
+schedule's shifts in the same order.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from xla_permute.permute import Backend
+from xla_permute.pipeline import pipeline_groups
+from xla_permute.pipeline_orders import SCHEDULES, make_schedule
+from xla_permute.pipeline_schedule import Cell, PipelineSchedule, units
+from xla_permute.shift import resolve_wrap, stage_shift
+
+__all__ = ["PipelineStep", "pipeline_step"]
+
+
+@dataclass(frozen=True)
+class PipelineStep:
+    """What one :func:`pipeline_step` did on this rank.
+
+    ``loss``: the sum over micro-batches of ``loss_fn`` on the rank that holds the last stage
+    (detached), zero elsewhere. ``schedule``: the schedule that ran (``None`` for no
+    micro-batch). Counted while running, per tick: ``executed`` (the cell this rank ran,
+    ``None``: idle), ``live`` (stage activations this rank held for a backward after the tick)
+    and ``shifts`` (the shifts issued, ``+1`` / ``-1``).
+    """
+
+    loss: torch.Tensor
+    schedule: PipelineSchedule | None
+    executed: tuple[Cell, ...]
+    live: tuple[int, ...]
+    shifts: tuple[tuple[int, ...], ...]
+
+    @property
+    def peak_live(self) -> int:
+        """The most stage activations this rank held at once."""
+        return max(self.live, default=0)
+
+    @property
+    def idle_ticks(self) -> int:
+        return sum(w is None for w in self.executed)
+
+
+Module = Callable[[torch.Tensor], torch.Tensor]
+
+
+def _check_modules(modules: object) -> list[Module]:
+    listed = [modules] if callable(modules) else modules
+    if not isinstance(listed, (list, tuple)) or not listed or not all(map(callable, listed)):
+        raise TypeError(
+            f"modules must be this rank's stage (a callable x -> y) or a non-empty list of its "
+            f"stages in model order (schedule.stages_of(rank)), got {type(modules).__name__}"
+        )
+    return list(listed)
+
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_MAX_DIMS = 8
+
+
+def _infer(
+    plan, modules, inputs, position, group, comm, ok: bool
+) -> tuple[tuple[int, ...], torch.dtype]:
+    """The activation stage 0 hands on, from the first micro-batch: the rank that holds stage
+    0 runs it (no gradient) and every rank of the pipeline reads its shape and dtype from one
+    all-gather of a small int row (the debug mode's, :meth:`gather_rows`), so all agree."""
+    row = [0] * (_MAX_DIMS + 2)  # ndim (-1: stage 0 failed), dims..., dtype
+    if 0 in plan.stages_of(position) and not ok:
+        row[0] = -1
+    elif 0 in plan.stages_of(position):
+        try:
+            with torch.no_grad():
+                y = modules[plan.stages_of(position).index(0)](inputs[0])
+            shape = tuple(y.shape)
+            if y.dtype not in _DTYPES or len(shape) > _MAX_DIMS:
+                raise ValueError(f"an activation of shape {shape} and dtype {y.dtype}")
+            row = [len(shape), *shape, *[0] * (_MAX_DIMS - len(shape)), _DTYPES.index(y.dtype)]
+        except (RuntimeError, TypeError, ValueError, IndexError):
+            row[0] = -1
+    first = comm.gather_rows(row)[group[plan.rank_of(0)]]
+    if first[0] < 0:
+        raise ValueError(
+            f"activation='infer': stage 0 (on rank {group[plan.rank_of(0)]}) could not run on "
+            f"the first micro-batch or returned no floating tensor of at most {_MAX_DIMS} dims; "
+            f"declare activation=(shape, dtype), or see that rank's error"
+        )
+    return tuple(first[1 : 1 + first[0]]), _DTYPES[first[-1]]
+
+
+def _activation(activation: object, inputs: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
+    """The declared activation between stages as ``(shape, dtype)``."""
+    if activation is None:
+        return tuple(inputs.shape[1:]), inputs.dtype
+    if isinstance(activation, torch.Tensor):
+        return tuple(activation.shape), activation.dtype
+    ok = isinstance(activation, tuple) and len(activation) == 2
+    if ok and isinstance(activation[1], torch.dtype):
+        shape = activation[0]
+        if isinstance(shape, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in shape):
+            return tuple(shape), activation[1]
+    raise TypeError(
+        f"activation must be None (the micro-batch's shape and dtype), 'infer' (what stage 0 "
+        f"returns for the first micro-batch), an example tensor or (shape, dtype) of the "
+        f"tensor one stage hands the next, got {activation!r}"
+    )
+
+
+def _probe(plan, modules, loss_fn, inputs, targets, position, activation) -> None:
+    """Run this rank's stages and the loss once without gradients, to check the shapes before
+    any collective (traced and dropped on XLA; one extra forward per stage when eager): stage
+    0 takes a micro-batch, every other stage the declared activation; every stage but the last
+    returns the activation, the last stage's output goes to ``loss_fn``."""
+    shape, dtype = activation
+    between = torch.zeros(shape, dtype=dtype, device=inputs.device)
+    with torch.no_grad():
+        for c, (k, module) in enumerate(zip(plan.stages_of(position), modules, strict=True)):
+            x = inputs[0] if k == 0 else between
+            y = module(x)
+            if k == plan.stages - 1:
+                try:
+                    loss = loss_fn(y, targets[0])
+                except (RuntimeError, TypeError, ValueError, IndexError) as e:
+                    raise ValueError(
+                        f"loss_fn(output, target) raised {type(e).__name__} for the last stage's "
+                        f"output of shape {tuple(getattr(y, 'shape', ()))}: {e}"
+                    ) from e
+                if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+                    got = tuple(loss.shape) if isinstance(loss, torch.Tensor) else loss
+                    raise ValueError(
+                        f"loss_fn(output, target) returned {got}; it must return one number (a "
+                        f"scalar tensor) per micro-batch: reduce it with .sum() or .mean()"
+                    )
+            elif not isinstance(y, torch.Tensor) or tuple(y.shape) != shape or y.dtype != dtype:
+                got = (
+                    f"shape {tuple(y.shape)} and dtype {y.dtype}"
+                    if isinstance(y, torch.Tensor)
+                    else type(y).__name__
+                )
+                raise ValueError(
+                    f"stage module {c} (stage {k}) returned {got} for an input of shape "
+                    f"{tuple(x.shape)} and dtype {x.dtype}; every stage but the last must return "
+                    f"the activation, shape {shape} and dtype {dtype} (declare another with "
+                    f"activation=(shape, dtype))"
+                )
+
+
+def pipeline_step(
+    modules: Module | list[Module],
+    inputs: torch.Tensor,
+    targets: torch.Tensor,
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor],
+    *,
+    schedule: str | PipelineSchedule = "1f1b",
+    ranks: int | None = None,
+    activation: torch.Tensor | tuple[tuple[int, ...], torch.dtype] | str | None = None,
+    wrap: bool | None = None,
+    backend: Backend = "auto",
+) -> PipelineStep:
+    """One training step (forward and backward) of a pipeline schedule, on this rank.
+
+    Equal to the model on one device::
+
+        loss = sum(loss_fn(model(inputs[i]), targets[i]) for i in range(M)); loss.backward()
+
+    where ``model`` is the stages ``0 .. S-1`` in a row, placed on the ranks as the schedule
+    says (:meth:`~xla_permute.pipeline_schedule.PipelineSchedule.stages_of`). The gradients
+    accumulate into the stages' parameters (``.grad``), as ``loss.backward()`` would: zero
+    them between steps as usual (``optimizer.zero_grad()``).
+
+    Each rank runs its own column of the schedule (per tick a forward ``F``, a backward ``B``,
+    an input gradient ``I``, a weight gradient ``W``, or nothing) and every rank issues the
+    same shifts in the same order: after a tick, one :func:`~xla_permute.shift.stage_shift`
+    ``+1`` when some rank hands on to the next rank, one ``-1`` when some rank hands back. A
+    rank idle in that tick still takes part (it sends zeros). ``I`` is
+    ``torch.autograd.grad(y, x, dy, retain_graph=True)`` (the stage input's gradient, the
+    graph kept); ``W`` later backpropagates the same ``dy`` into the stage's parameters (the
+    leaves of the graph other than ``x``), without running the forward again.
+
+    Shaped like a model's: stage 0 takes a micro-batch ``inputs[i]`` (token ids, say), every
+    stage hands the next an ``activation`` of one declared shape and dtype, and the last
+    stage's output (logits, say) goes to ``loss_fn`` with ``targets[i]``. Every rank checks
+    its own stages against the declaration before any collective, and all ranks must declare
+    the same (the debug mode compares them).
+
+    Args:
+        modules: this rank's stage ``y = module(x)``, or the list of its stages in model order
+            (``schedule.stages_of(rank)``: for the interleaved schedule stage ``c`` of the
+            list is stage ``c * ranks + rank`` of the model; for a V, stages ``rank`` and
+            ``2 ranks - 1 - rank``).
+        inputs: ``(M, *shape)`` micro-batches; read on the first stage only (the other ranks
+            pass any tensor of that shape). XLA tensors, or CPU/CUDA tensors with
+            ``torch.distributed`` initialized (``backend="c10d"``).
+        targets: ``(M, ...)``, read on the last stage only: ``loss_fn(y, targets[i])``.
+        loss_fn: ``(output, target) -> scalar tensor`` of one micro-batch.
+        activation: what one stage hands the next, per micro-batch: ``(shape, dtype)`` or an
+            example tensor; ``None``: the micro-batch's own shape and dtype
+            (``inputs.shape[1:]``, ``inputs.dtype``); ``"infer"``: what stage 0 returns for
+            the first micro-batch (one more forward of stage 0 without gradient, on its rank,
+            and one small all-gather that tells every rank of the pipeline, before the step).
+        schedule: a name of :data:`~xla_permute.pipeline_orders.SCHEDULES` or a
+            :class:`~xla_permute.pipeline_schedule.PipelineSchedule` of ``(p, M, v)``.
+        ranks: ranks per pipeline (``None``: all ranks); consecutive blocks of ranks form
+            pipelines side by side, each with its own micro-batches.
+        wrap: the form of the shifts; schedules that hand on from the last rank to the first
+            (interleaved) need the ring and refuse ``wrap=False``. ``None``: the ring where the
+            schedule or the hardware needs it, else the open chain.
+        backend: ``"auto"``, ``"native"``, ``"emulated"`` (XLA) or ``"c10d"``.
+
+    Returns:
+        :class:`PipelineStep`: ``loss`` and what ran. Keep the result (or its ``loss``) alive
+        until ``torch_xla.sync()``: on XLA the loss also carries the values this rank received
+        in shifts it had no use for, whose collectives the other ranks wait for.
+
+    Raises:
+        TypeError: ``modules``, ``loss_fn``, ``inputs``, ``targets`` or ``activation`` of the
+            wrong kind.
+        ValueError: a bad schedule or combination (several stages per rank with a schedule of
+            one, interleaved with ``M < p``, ``wrap=False`` where the ring is needed), before
+            any collective, on every rank alike; a stage that does not return the declared
+            activation, or a ``loss_fn`` that fails on the last stage's output, on the rank
+            that holds it, before any collective (in the debug mode the other ranks raise
+            :class:`~xla_permute.debug.DisagreementError` instead of waiting for it).
+    """
+    stage_fns = _check_modules(modules)
+    if not callable(loss_fn):
+        raise TypeError(f"loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
+    from xla_permute.backend import check_tensor
+
+    comm = check_tensor(inputs, "inputs", backend)  # XLA, or c10d in a process group
+    world, rank, device_type, chosen = comm.world_size(), comm.rank(), comm.device_type, comm.name
+    if inputs.dim() < 1:
+        raise ValueError(
+            f"inputs has shape {tuple(inputs.shape)}: its leading axis counts the "
+            f"micro-batches; stack them as (M, *activation_shape)"
+        )
+    if not isinstance(targets, torch.Tensor) or targets.dim() < 1:
+        raise TypeError(f"targets must be a tensor (M, ...), got {type(targets).__name__}")
+    if targets.shape[0] != inputs.shape[0]:
+        raise ValueError(
+            f"targets has {targets.shape[0]} micro-batches and inputs {inputs.shape[0]}; pass "
+            f"one target per micro-batch (targets[i] for inputs[i])"
+        )
+    groups = pipeline_groups(world, ranks)
+    p, v, m = len(groups[0]), len(stage_fns), inputs.shape[0]
+    position = rank % p
+    plan = None
+    if isinstance(schedule, PipelineSchedule):
+        if (schedule.ranks, schedule.micro_batches, schedule.stages_per_rank) != (p, m, v):
+            raise ValueError(
+                f"the schedule is for {schedule.ranks} ranks, {schedule.micro_batches} "
+                f"micro-batches and {schedule.stages_per_rank} stages per rank, the step has "
+                f"{p}, {m} and {v}; build it with make_schedule(name, {p}, {m}, {v})"
+            )
+        plan = schedule
+    elif m > 0:
+        plan = make_schedule(schedule, p, m, v)
+    elif schedule not in SCHEDULES:
+        make_schedule(schedule, p, 1, v)  # raises the same error
+    needs_ring = plan.needs_ring if plan is not None else False
+    if needs_ring and wrap is False:
+        raise ValueError(
+            f"wrap=False asks for open-chain shifts, but the {plan.name} schedule hands "
+            f"activations from the last rank to the first (stage c * ranks + ranks - 1 to "
+            f"stage (c + 1) * ranks); pass wrap=None or wrap=True"
+        )
+    ring = True if needs_ring and wrap is None else resolve_wrap(wrap, device_type)
+    infer = isinstance(activation, str) and activation == "infer"
+    between = _activation(None if infer else activation, inputs)
+    error = comm.device_error(inputs, "inputs")
+    if infer and plan is not None:  # one gather, on every rank alike (also one that failed)
+        group = groups[rank // p]
+        between = _infer(plan, stage_fns, inputs, position, group, comm, error is None)
+    if plan is not None and error is None:
+        try:  # this rank's own stages: an error here joins the ranks' agreement below
+            _probe(plan, stage_fns, loss_fn, inputs, targets, position, between)
+        except ValueError as e:
+            error = e
+    from xla_permute import debug
+
+    fields = {
+        "inputs.shape": tuple(inputs.shape),
+        "inputs.dtype": str(inputs.dtype),
+        "targets.shape": tuple(targets.shape),
+        "activation": (between[0], str(between[1])),
+        "ranks": p,
+        "stages_per_rank": v,
+        "schedule": plan.name if plan else str(schedule),
+        "wrap": ring,
+        "backend": chosen,
+    }
+    debug.check_agreement("pipeline_step", fields, error=error, backend=comm)
+    if plan is None:  # no micro-batch: nothing flows, no collective (ranks agree)
+        return PipelineStep(inputs.new_zeros(()), None, (), (), ())
+    zeros = torch.zeros(between[0], dtype=between[1], device=inputs.device)
+    return _run(plan, stage_fns, inputs, targets, loss_fn, position, groups, ring, comm, zeros)
+
+
+def _leaves(y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
+    """The leaves of ``y``'s graph that want a gradient, ``x`` excluded: the stage's
+    parameters, for its ``W``."""
+    found, seen, stack = [], set(), [y.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node
+        if variable is not None and variable is not x:
+            found.append(variable)
+        stack.extend(n for n, _ in node.next_functions)
+    return found
+
+
+def _run(
+    plan, modules, inputs, targets, loss_fn, position, groups, ring, comm, zeros
+) -> PipelineStep:
+    """The tick loop of :func:`pipeline_step`, after every check; ``zeros``: an activation of
+    zeros, what a rank sends when it has nothing to send."""
+    from xla_permute.debug import debug_mode
+
+    shift_groups = None if len(groups) == 1 else groups
+    last = plan.stages - 1
+    local = {k: i for i, k in enumerate(plan.stages_of(position))}
+    saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+    grads_out: dict[tuple[int, int], torch.Tensor | None] = {}  # dy kept from I for W
+    arrived: dict[tuple[str, int, int], torch.Tensor] = {}
+    unused: list[torch.Tensor] = []
+    losses: list[torch.Tensor] = []
+    executed, live, issued = [], [], []
+    # The arguments were checked and agreed on once, above; the shifts need not repeat it.
+    with debug_mode(False):
+        for t, tick in enumerate(plan.work):
+            cell = tick[position]
+            outgoing: dict[int, list[torch.Tensor]] = {+1: [], -1: [], 0: []}
+            for w in units(cell):
+                key = (w.micro_batch, w.stage)
+                payload = None
+                if w.kind == "F":
+                    if w.stage == 0:
+                        x = inputs[w.micro_batch]
+                    else:
+                        x = arrived.pop(("F", *key)).detach().requires_grad_()
+                    y = modules[local[w.stage]](x)
+                    if w.stage == last:
+                        y = loss_fn(y, targets[w.micro_batch]).reshape(())
+                        losses.append(y.detach())
+                    else:
+                        payload = y.detach()
+                    saved[key] = (x, y)
+                elif w.kind == "W":
+                    x, y = saved.pop(key)
+                    params, dy = _leaves(y, x), grads_out.pop(key)
+                    if params:
+                        torch.autograd.backward(y, dy, inputs=params)
+                else:
+                    x, y = saved[key] if w.kind == "I" else saved.pop(key)
+                    dy = None if w.stage == last else arrived.pop(("B", *key))
+                    if w.kind == "B":
+                        y.backward(dy)
+                        if w.stage > 0:
+                            payload = x.grad
+                    else:
+                        grads_out[key] = dy
+                        if w.stage > 0:
+                            (payload,) = torch.autograd.grad(y, x, dy, retain_graph=True)
+                send = plan.send_of(position, w)
+                if send is not None:
+                    if payload is None:  # x.grad is None: the stage did not use its input
+                        payload = zeros
+                    if send.offset == 0:  # the V's turn: stays on this rank
+                        arrived[(send.kind, send.micro_batch, send.stage)] = payload
+                    else:
+                        outgoing[send.offset].append(payload)
+            executed.append(cell)
+            live.append(len(saved))
+            shifts = plan.shifts(t)
+            issued.append(shifts)
+            received = plan.receives(t, position)
+            for offset in shifts:
+                slots = plan.slots(t, offset)
+                sent = outgoing[offset] + [zeros] * (slots - len(outgoing[offset]))
+                packed = sent[0] if slots == 1 else torch.stack(sent)
+                got = stage_shift(
+                    packed, offset=offset, wrap=ring, groups=shift_groups, backend=comm.name
+                )
+                mine = received.get(offset, ())
+                for i, s in enumerate(mine):
+                    arrived[(s.kind, s.micro_batch, s.stage)] = got if slots == 1 else got[i]
+                if len(mine) < slots:
+                    unused.append(got)
+    loss = torch.stack(losses).sum() if losses else zeros.new_zeros(())
+    if unused:
+        # Keep the collectives whose results this rank does not use in its program (a lazy
+        # graph drops what nothing depends on, and the other ranks would wait for them).
+        comm.keep([loss, *unused])
+    return PipelineStep(loss, plan, tuple(executed), tuple(live), tuple(issued))
