@@ -29,12 +29,9 @@ TEST_ONLY_ENV = {
     # The CPU-mesh tests run in the debug mode (xla_permute.debug): every collective of the
     # package first checks that all ranks pass the same arguments. The mesh inherits it.
     "XLA_PERMUTE_DEBUG": "1",
-    # The suite compiles hundreds of small programs on the CPU mesh, and XLA:CPU spends most of
-    # a compile in LLVM's optimizer: without it `make test` took 14:45 instead of 16:32 on 2
-    # cores, with the same results (every exact check still exact). The tutorials, whose
-    # outputs are the published figures (compile times, peak memory), keep XLA's default;
-    # launches that pass their own XLA_FLAGS (the bench's memory dumps) too.
-    "XLA_FLAGS": "--xla_backend_optimization_level=0",
+    # pytest changes PYTEST_CURRENT_TEST for every test: not a reason for a new warm process of
+    # the mesh (xla_permute.mesh.preload).
+    "XLA_PERMUTE_LAUNCH_VARIABLES": "PYTEST_CURRENT_TEST",
 }
 TUTORIAL_ENV = dict(os.environ)
 for _name, _value in TEST_ONLY_ENV.items():

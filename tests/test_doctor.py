@@ -2,7 +2,7 @@
 itself runs in tests/test_selftest.py; here its rows are stubbed, no mesh is launched)."""
 
 from xla_permute.__main__ import main
-from xla_permute.launch import MeshError
+from xla_permute.mesh.launch import MeshError
 from xla_permute.tools import selftest
 
 

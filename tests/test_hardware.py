@@ -478,7 +478,7 @@ def test_the_xla_backends_refuse_spmd_mode_before_asking_the_runtime(monkeypatch
     """Every op finds its place through the backend: in SPMD mode that raises, first."""
     import torch_xla
 
-    from xla_permute.xla_backend import xla_backend
+    from xla_permute.backends.xla import xla_backend
 
     monkeypatch.setenv("XLA_USE_SPMD", "1")
     for place in (xla_backend(name).world_size, xla_backend(name).rank):

@@ -15,7 +15,7 @@ import rank_fns
 import torch
 
 from xla_permute import MeshError, RankError, run_on_mesh
-from xla_permute.launch import mesh_environment
+from xla_permute.mesh.launch import mesh_environment
 
 
 def _launch_mismatched() -> tuple[BaseException | None, float]:
@@ -240,7 +240,7 @@ def test_mismatched_collective_is_a_clear_bounded_error(mismatched_launch):
 
 
 def test_abort_message_names_the_usual_causes_and_their_fixes():
-    from xla_permute.launch import _MISMATCH_HINT
+    from xla_permute.mesh.launch import _MISMATCH_HINT
 
     assert "XLA_PERMUTE_DEBUG=1" in _MISMATCH_HINT
     assert "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()]))" in _MISMATCH_HINT

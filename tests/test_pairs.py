@@ -12,6 +12,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from xla_permute import collective_permute
+from xla_permute.backends.select import resolve_backend
+from xla_permute.backends.xla import check_xla_tensor
 from xla_permute.pairs import (
     check_groups,
     check_pairs,
@@ -23,7 +25,6 @@ from xla_permute.pairs import (
     ring_pairs,
     source_of,
 )
-from xla_permute.permute import check_xla_tensor, resolve_backend
 
 sizes = st.integers(1, 7)
 

@@ -1,4 +1,4 @@
-"""The warm process behind run_on_mesh (xla_permute.preload): a fork of it must be the
+"""The warm process behind run_on_mesh (xla_permute.mesh.preload): a fork of it must be the
 device process a fresh interpreter would be, with the launch's environment, directory and
 output, and a process of its own each time."""
 
@@ -13,7 +13,7 @@ import pytest
 import torch
 
 import xla_permute as xp
-from xla_permute import preload
+from xla_permute.mesh import preload
 
 
 def what_the_device_process_sees(names):

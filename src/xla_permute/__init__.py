@@ -15,13 +15,11 @@ from xla_permute.allreduce import all_reduce, all_reduce_gradients
 
 # Ring attention (context parallelism) and its sequence layouts
 from xla_permute.attention import all_gather_attention, ring_attention
-from xla_permute.collectives import all_gather, reduce_scatter, sum_gradients
 
 # The debug mode: every collective first checks that all ranks pass the same arguments
-from xla_permute.debug import CompileError, DisagreementError, debug_mode
-
-# The CPU mesh: run a function on every device
-from xla_permute.launch import MeshError, RankError, run_on_mesh
+from xla_permute.backends.compiled import CompileError
+from xla_permute.collectives import all_gather, reduce_scatter, sum_gradients
+from xla_permute.debug import DisagreementError, debug_mode
 from xla_permute.layers import ColumnParallelLinear, RowParallelLinear
 
 # Collective matmul and the tensor-parallel layers on it
@@ -31,6 +29,9 @@ from xla_permute.matmul import (
     matmul_reduce_scatter,
     matmul_then_reduce_scatter,
 )
+
+# The CPU mesh: run a function on every device
+from xla_permute.mesh.launch import MeshError, RankError, run_on_mesh
 
 # A TP x CP grid of ranks: its groups and its two-level token sharding
 from xla_permute.mesh2d import Mesh2D

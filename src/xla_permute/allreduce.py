@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from xla_permute.backend import CommBackend, check_tensor
+from xla_permute.backends.select import CommBackend, check_tensor
 from xla_permute.pairs import Groups as CheckedGroups
 from xla_permute.pairs import check_groups
 

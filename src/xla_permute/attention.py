@@ -45,8 +45,8 @@ from typing import Any, NamedTuple
 
 import torch
 
-from xla_permute.backend import CommBackend, Handle, Ring, check_tensor, ring
-from xla_permute.permute import Backend
+from xla_permute.backends.select import BackendName as Backend
+from xla_permute.backends.select import CommBackend, Handle, Ring, check_tensor, ring
 from xla_permute.schedule import AttentionHop, ring_attention_schedule
 from xla_permute.sequence import check_layout, layout_chunks
 
@@ -105,7 +105,8 @@ class _Plan(NamedTuple):
 
     def send(self, x: torch.Tensor) -> Handle:
         """Start every rank's ``x`` to rank r+1 (group-local): one permute, checked once at
-        the op's boundary (:class:`~xla_permute.backend.Ring`); ``wait()`` where it is used."""
+        the op's boundary (:class:`~xla_permute.backends.select.Ring`); ``wait()`` where it is
+        used."""
         return self.ring.send(x, 1)
 
     def chunks(self, rank: int) -> tuple[int, ...]:

@@ -3,7 +3,7 @@
 On XLA these are the upstream collectives (``xm.all_gather``, ``xm.reduce_scatter``) called the
 way that runs on every device, the CPU mesh included (``pin_layout=False``, a channel id,
 ``use_global_device_ids=True``); on ``c10d`` they are ``all_gather_into_tensor`` and
-``reduce_scatter_tensor`` on the process group of ``groups`` (:mod:`xla_permute.backend`).
+``reduce_scatter_tensor`` on the process group of ``groups`` (:mod:`xla_permute.backends.select`).
 Autograd: the backward of an all-gather is a reduce-scatter of the gradient and vice versa.
 They build the baselines that collective matmul is compared with. ``groups``: replica groups
 of equal size (:func:`~xla_permute.pairs.check_groups`); a group gathers (and scatters) in the
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from xla_permute.backend import CommBackend, check_tensor
+from xla_permute.backends.select import CommBackend, check_tensor
 from xla_permute.pairs import Groups as CheckedGroups
 from xla_permute.pairs import check_groups
 

@@ -40,7 +40,6 @@ True
 from __future__ import annotations
 
 import os
-import sys
 import threading
 import zlib
 from collections import Counter
@@ -48,13 +47,13 @@ from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
 
-from xla_permute import mesh_status
+from xla_permute.backends.compiled import check_not_compiling
+from xla_permute.mesh import status as mesh_status
 
 __all__ = [
     "ENV",
-    "CompileError",
     "DisagreementError",
-    "check_not_compiling",
+    "agree",
     "check_agreement",
     "debug_mode",
     "describe_disagreement",
@@ -70,7 +69,7 @@ ENV = "XLA_PERMUTE_DEBUG"
 _ON = {"1", "true", "on", "yes", "detail"}
 _OFF = {"", "0", "false", "off", "no"}
 #: Fields per signature (the channel id of the check's all-gather on XLA, a program of its
-#: own, is :data:`xla_permute.channels.AGREEMENT_CHANNEL`).
+#: own, is :data:`xla_permute.backends.channels.AGREEMENT_CHANNEL`).
 FIELDS = 12
 _MAGIC = 0x5850  # "XP"
 _INT32_MAX = 2**31 - 1
@@ -82,53 +81,6 @@ _names: dict[int, str] = {}  # CRC-32 -> text, for the message (the mesh is one 
 
 class DisagreementError(ValueError):
     """The ranks passed different arguments to one collective (raised on every rank)."""
-
-
-class CompileError(RuntimeError):
-    """An op of this package was called inside ``torch.compile`` (raised on every rank)."""
-
-
-def _in_compiled_frame() -> bool:
-    frame = sys._getframe(2)
-    while frame is not None:
-        code = frame.f_code
-        if code.co_name.startswith("torch_dynamo_resume_in_") or any(
-            name.startswith("__compiled_fn") for name in code.co_names
-        ):
-            return True
-        frame = frame.f_back
-    return False
-
-
-def check_not_compiling(op: str | None = None) -> None:
-    """Raise :class:`CompileError` when called under ``torch.compile``.
-
-    The ops keep per-rank state on the host (channel ids, the collective token, the agreement
-    checks) that Dynamo cannot trace: under ``torch.compile(backend="openxla")`` the mesh aborted
-    or every rank failed with "Failed to get computation by hash", also with the op excluded by
-    ``torch.compiler.disable``. Dynamo either traces the call (``torch.compiler.is_compiling()``)
-    or, after a graph break, runs it from the bytecode it rewrote, whose frames name its
-    ``__compiled_fn_*`` or ``torch_dynamo_resume_in_*`` functions; both are refused. Every rank
-    runs the same code, so every rank raises, before any collective.
-    """
-    import torch
-
-    if torch.compiler.is_compiling() or _in_compiled_frame():
-        frame = sys._getframe(1)
-        if op is None:  # the first public function of this package on the stack
-            while frame.f_back is not None and (
-                frame.f_code.co_name.startswith("_")
-                or frame.f_globals.get("__name__") == "xla_permute.backend"
-            ):
-                frame = frame.f_back
-            op = frame.f_code.co_name
-        raise CompileError(
-            f"{op} was called inside torch.compile, which this package does not support: its "
-            f"collectives keep per-rank state that Dynamo cannot trace. Call it outside the "
-            f"compiled function (compile only the math around it), or run without "
-            f"torch.compile: torch_xla's lazy tensors already compile each step into one XLA "
-            f"program at torch_xla.sync()"
-        )
 
 
 LEVELS = ("all", "sampled", "none")
@@ -314,6 +266,44 @@ def describe_disagreement(op: str, rows: Sequence[Sequence[int]]) -> str | None:
     return f"{op}: the ranks disagree on " + "; ".join(differences)
 
 
+def agree(
+    op: str,
+    tensors: Mapping[str, Any],
+    options: Mapping[str, Any] | None = None,
+    *,
+    backend: Any,
+    error: Exception | None = None,
+) -> None:
+    """The agreement check of one call, its signature built from its tensors and options.
+
+    ``tensors``: name -> a tensor (its ``name.shape`` and ``name.dtype`` are checked), or a
+    list of tensors (their shapes, and the first one's dtype). ``options``: name -> a value that
+    every rank must pass alike (dtypes as ``str``, floats as ``repr``; ints, bools, strings,
+    tuples of ints and groups travel as they are). ``error``: a check that failed on this rank
+    alone; by default the first tensor that is not on this rank's device
+    (``backend.device_error``). Then :func:`check_agreement`.
+    """
+    import torch
+
+    fields: dict[str, Any] = {}
+    found = error
+    for name, value in tensors.items():
+        group = list(value) if isinstance(value, (list, tuple)) else [value]
+        shapes = [tuple(t.shape) for t in group]
+        fields[f"{name}.shape"] = shapes[0] if len(group) == 1 else tuple(shapes)
+        fields[f"{name}.dtype"] = str(group[0].dtype)
+        for t in group:
+            if found is None:
+                found = backend.device_error(t, name)
+    for name, value in (options or {}).items():
+        if isinstance(value, torch.dtype):
+            value = str(value)
+        elif isinstance(value, float):
+            value = repr(value)
+        fields[name] = value
+    check_agreement(op, fields, error=found, backend=backend)
+
+
 def check_agreement(
     op: str,
     fields: Mapping[str, Any],
@@ -334,7 +324,8 @@ def check_agreement(
     this rank joins the check, then raises ``error``; the other ranks raise
     :class:`DisagreementError` instead of waiting for it in the collective.
 
-    ``backend``: the :class:`~xla_permute.backend.CommBackend` (or its name) whose all-gather
+    ``backend``: the :class:`~xla_permute.backends.select.CommBackend` (or its name) whose
+    all-gather
     carries the check: on XLA a program of its own (a channel id of its own, a fresh token),
     on ``c10d`` an all-gather on the default process group. Default: ``"auto"``.
     """
@@ -344,11 +335,11 @@ def check_agreement(
         if error is not None:
             raise error
         return
-    from xla_permute.backend import get_backend
+    from xla_permute.backends.select import get_backend
 
     chosen = get_backend(backend or "auto") if not hasattr(backend, "gather_rows") else backend
     if chosen.name != "c10d":  # XLA: traced programs are never run, so nothing is checked
-        from xla_permute.hlo import is_tracing
+        from xla_permute.backends.tracing import is_tracing
 
         if is_tracing():
             if error is not None:

@@ -24,15 +24,17 @@ with :func:`parse`. What each rank sends, per collective and per ring step, is
 from __future__ import annotations
 
 import re
-import threading
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
     from xla_permute.schedule import RingStep
+
+# Reading the HLO of tensors built on a rank takes the runtime: its tracing state lives with
+# the backends; the names stay reachable here, beside the reader of the text.
+from xla_permute.backends.tracing import trace, tracing  # noqa: E402
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -43,8 +45,6 @@ __all__ = [
     "account_bytes",
     "bytes_sent_per_rank",
     "chain_report",
-    "discard_traced_collectives",
-    "is_tracing",
     "parse",
     "permute_steps",
     "shape_bytes",
@@ -393,74 +393,3 @@ def chain_report(
         "same_step_chained": sum(prog.depends_on(b, a) or prog.depends_on(a, b)
                                  for a, b in pairs),
     }  # fmt: skip
-
-
-def discard_traced_collectives() -> None:
-    """Forget the collectives traced on this rank so far (their tensors must be discarded).
-
-    torch_xla threads a token through every collective, so a program traced after another
-    would contain the first one's collectives too. This resets the token, as
-    ``xm.set_replication`` does, so that the next traced program stands alone.
-    """
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
-    torch_xla._XLAC._set_all_reduce_token(xm._get_device_context().device, None)
-
-
-def trace(tensors: object) -> str:
-    """HLO text of the program that would compute ``tensors`` (a tensor or a list), never run.
-
-    Call it on a rank of the mesh with tensors built from XLA-device inputs; then discard
-    them (do not ``torch_xla.sync()`` with them alive). The program stands alone: the collectives
-    traced so far are forgotten afterwards (:func:`discard_traced_collectives`), so the next
-    traced program does not contain them. This is how the *native* backend's program, which
-    cannot run on the CPU mesh, is read there.
-    """
-    import torch
-    import torch_xla
-
-    outputs = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # type: ignore[call-overload]
-    text = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
-    discard_traced_collectives()
-    return text
-
-
-# Per rank, keyed by its device (as xla_permute.channels): the ranks of the CPU mesh are threads
-# of one process, and autograd runs a rank's backward on another thread of the same device.
-_tracing: dict[str, int] = {}
-_tracing_lock = threading.Lock()
-
-
-def _rank_device() -> str:
-    import torch_xla
-
-    return str(torch_xla.device())
-
-
-@contextmanager
-def tracing() -> Iterator[None]:
-    """Trace collectives that cannot run here, to read their HLO with :func:`trace`.
-
-    The native backend (``xm.collective_permute``) cannot run on the CPU mesh, so the ops of this
-    package refuse it there, except inside this block: the caller promises to trace the tensors
-    it builds (:func:`trace`) and discard them, never to run them. On leaving the block the
-    collectives traced in it are forgotten (:func:`discard_traced_collectives`).
-    """
-    device = _rank_device()
-    with _tracing_lock:
-        depth = _tracing.get(device, 0)
-        _tracing[device] = depth + 1
-    try:
-        yield
-    finally:
-        with _tracing_lock:
-            _tracing[device] = depth
-        if depth == 0:
-            discard_traced_collectives()
-
-
-def is_tracing() -> bool:
-    """True inside :func:`tracing` on this rank (also in its backward, on autograd's thread)."""
-    with _tracing_lock:
-        return _tracing.get(_rank_device(), 0) > 0

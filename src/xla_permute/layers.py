@@ -49,6 +49,7 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
+from xla_permute.backends.select import BACKENDS, ring_of
 from xla_permute.collectives import sum_gradients
 from xla_permute.matmul import (
     all_gather_matmul,
@@ -56,7 +57,6 @@ from xla_permute.matmul import (
     matmul_reduce_scatter,
     matmul_then_reduce_scatter,
 )
-from xla_permute.permute import BACKENDS, ring_of
 
 __all__ = [
     "STRATEGIES",
@@ -82,7 +82,7 @@ def _world(
 ) -> tuple[int, int]:
     """The group size and this rank's position in it: given, or asked from the backend (a
     running mesh, or torch.distributed's process group)."""
-    from xla_permute.backend import distributed_ready
+    from xla_permute.backends.select import distributed_ready
 
     if world_size is not None:
         world_size = _count(world_size, "world_size")
@@ -275,7 +275,7 @@ class _ParallelLinear(nn.Module):
             raise ValueError(
                 f"{name}.weight is on {self.weight.device} but the input is on {x.device}; {fix}"
             )
-        from xla_permute.backend import get_backend
+        from xla_permute.backends.select import get_backend
 
         comm = get_backend(self.backend, x if isinstance(x, torch.Tensor) else None)
         size, position, _ = ring_of(self.groups, comm)

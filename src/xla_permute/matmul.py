@@ -45,9 +45,9 @@ from typing import Any
 import torch
 
 from xla_permute import collectives
-from xla_permute.backend import CommBackend, Ring, check_tensor, ring
+from xla_permute.backends.select import BackendName as Backend
+from xla_permute.backends.select import CommBackend, Ring, check_tensor, ring
 from xla_permute.matmul_ring import _block, _RingMatmul, partial_sum_dtype
-from xla_permute.permute import Backend
 
 __all__ = [
     "all_gather_matmul",

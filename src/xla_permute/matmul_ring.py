@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from xla_permute.backend import Handle, Ring
+from xla_permute.backends.select import Handle, Ring
 from xla_permute.schedule import all_gather_schedule, reduce_scatter_schedule
 
 __all__ = ["partial_sum_dtype"]

@@ -78,7 +78,7 @@ class Mesh2D:
         """``(tp_index, cp_index)`` of ``rank``; None: this rank, asked from the running mesh
         (torch_xla, or torch.distributed's process group), whose size must be ``size``."""
         if rank is None:
-            from xla_permute.backend import get_backend
+            from xla_permute.backends.select import get_backend
 
             comm = get_backend()
             world = comm.world_size()

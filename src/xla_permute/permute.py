@@ -5,7 +5,7 @@ tensor; a rank that is no pair's target receives zeros. With ``groups`` the pair
 group-local and apply inside every group. The per-rank input and output have the same shape
 and dtype.
 
-Backends (:mod:`xla_permute.backend`):
+Backends (:mod:`xla_permute.backends.select`):
 
 * ``"native"``: ``xm.collective_permute``, one HLO ``collective-permute`` (TPU, Neuron); on
   the CPU mesh only traced, inside :func:`xla_permute.hlo.tracing` (it raises otherwise);
@@ -13,7 +13,8 @@ Backends (:mod:`xla_permute.backend`):
   N times the data of a permute and exists for the CPU mesh, where collectives without a channel
   id (``xm.collective_permute`` among them) cannot run;
 * ``"c10d"``: ``torch.distributed`` point-to-point (``batch_isend_irecv``) between processes,
-  asynchronous (:mod:`xla_permute.c10d`): CPU tensors with gloo; CUDA with NCCL (untested here);
+  asynchronous (:mod:`xla_permute.backends.c10d`): CPU tensors with gloo; CUDA with NCCL
+  (untested here);
 * ``"auto"``: ``c10d`` when ``torch.distributed`` is initialized and ``x`` is not an XLA
   tensor; else ``emulated`` on the XLA CPU backend, ``native`` elsewhere.
 
@@ -28,70 +29,11 @@ from typing import Any
 
 import torch
 
-from xla_permute.backend import (
-    BACKENDS,
-    BackendName,
-    CommBackend,
-    Handle,
-    check_tensor,
-    get_backend,
-)
+from xla_permute.backends.base import CommBackend, Handle
+from xla_permute.backends.select import BackendName, check_tensor
 from xla_permute.pairs import Pairs, PairsLike, check_groups, global_pairs, inverse_pairs
-from xla_permute.xla_backend import check_native_runs_here, check_xla_tensor
 
-__all__ = [
-    "BACKENDS",
-    "Backend",
-    "PermuteWork",
-    "check_native_runs_here",
-    "check_xla_tensor",
-    "device_error",
-    "collective_permute",
-    "resolve_backend",
-    "ring_of",
-]
-
-Backend = BackendName
-
-
-def resolve_backend(backend: str, device_type: str | None = None) -> str:
-    """The name of the backend ``backend`` stands for (``"auto"`` resolved).
-
-    With ``device_type`` (an XLA device type): ``"emulated"`` on ``"CPU"``, ``"native"``
-    elsewhere. Without it: ``"c10d"`` when a ``torch.distributed`` process group is
-    initialized, else the XLA rule for this process's XLA device.
-
-    >>> resolve_backend("auto", "CPU"), resolve_backend("auto", "TPU"), resolve_backend("native")
-    ('emulated', 'native', 'native')
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend != "auto":
-        return backend
-    if device_type is not None:
-        return "emulated" if device_type == "CPU" else "native"
-    return get_backend("auto").name
-
-
-def device_error(x: torch.Tensor, name: str = "x") -> ValueError | None:
-    """The error to raise if ``x`` is not on this rank's device (known to this rank alone)."""
-    if x.device.type == "xla":
-        from xla_permute.xla_backend import device_error as xla_error
-
-        return xla_error(x, name)
-    return None
-
-
-def ring_of(
-    groups: Sequence[Sequence[int]] | None = None, backend: str | CommBackend = "auto"
-) -> tuple[int, int, tuple[tuple[int, ...], ...] | None]:
-    """``(group size, this rank's position in its group, checked groups)`` on this rank.
-
-    ``groups=None``: all ranks, and ``None`` as the checked groups. Asks the backend
-    (``"auto"``: torch.distributed when it is initialized, else the XLA runtime).
-    """
-    chosen = get_backend(backend) if isinstance(backend, str) else backend
-    return chosen.position(groups)
+__all__ = ["PermuteWork", "collective_permute"]
 
 
 class _CollectivePermute(torch.autograd.Function):
@@ -147,7 +89,7 @@ def collective_permute(
     pairs: PairsLike,
     *,
     groups: Sequence[Sequence[int]] | None = None,
-    backend: Backend = "auto",
+    backend: BackendName = "auto",
     async_op: bool = False,
 ) -> Any:
     """Send each rank's ``x`` to the rank its pair names; differentiable.
@@ -194,15 +136,7 @@ def collective_permute(
     chosen.check_pairs(checked, x.dtype)  # native: the hardware's rules; others run anything
     from xla_permute import debug
 
-    fields = {
-        "x.shape": tuple(x.shape),
-        "x.dtype": str(x.dtype),
-        "pairs": checked,
-        "groups": check_groups(groups, world),
-        "backend": chosen.name,
-    }
-    debug.check_agreement(
-        "collective_permute", fields, error=chosen.device_error(x), backend=chosen
-    )
+    options = {"pairs": checked, "groups": check_groups(groups, world), "backend": chosen.name}
+    debug.agree("collective_permute", {"x": x}, options, backend=chosen)
     work = permute_checked(x, checked, chosen)
     return work if async_op else work.wait()

@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from xla_permute.permute import Backend
+from xla_permute.backends.select import BackendName as Backend
 from xla_permute.pipeline_orders import make_schedule
 from xla_permute.pipeline_schedule import check_count
 from xla_permute.shift import resolve_wrap, stage_shift
@@ -113,7 +113,7 @@ def pipeline_forward(
     """
     if not callable(stage):
         raise TypeError(f"stage must be a callable x -> y, got {type(stage).__name__}")
-    from xla_permute.backend import check_tensor
+    from xla_permute.backends.select import check_tensor
 
     comm = check_tensor(inputs, "inputs", backend)  # XLA, or c10d in a process group
     if inputs.dim() < 1:
@@ -127,15 +127,8 @@ def pipeline_forward(
     n_stages = len(groups[0])
     from xla_permute import debug
 
-    fields = {
-        "inputs.shape": tuple(inputs.shape),
-        "inputs.dtype": str(inputs.dtype),
-        "stages": n_stages,
-        "wrap": ring,
-        "backend": chosen,
-    }
-    error = comm.device_error(inputs, "inputs")
-    debug.check_agreement("pipeline_forward", fields, error=error, backend=comm)
+    options = {"stages": n_stages, "wrap": ring, "backend": chosen}
+    debug.agree("pipeline_forward", {"inputs": inputs}, options, backend=comm)
     if inputs.shape[0] == 0:  # no micro-batch: nothing flows, no collective (ranks agree)
         return inputs * 0
     m = inputs.shape[0]

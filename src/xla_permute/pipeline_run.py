@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xla_permute.permute import Backend
+from xla_permute.backends.select import BackendName as Backend
 from xla_permute.pipeline import pipeline_groups
 from xla_permute.pipeline_orders import SCHEDULES, make_schedule
 from xla_permute.pipeline_schedule import Cell, PipelineSchedule, units
@@ -233,7 +233,7 @@ def pipeline_step(
     stage_fns = _check_modules(modules)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
-    from xla_permute.backend import check_tensor
+    from xla_permute.backends.select import check_tensor
 
     comm = check_tensor(inputs, "inputs", backend)  # XLA, or c10d in a process group
     world, rank, device_type, chosen = comm.world_size(), comm.rank(), comm.device_type, comm.name
@@ -286,10 +286,7 @@ def pipeline_step(
             error = e
     from xla_permute import debug
 
-    fields = {
-        "inputs.shape": tuple(inputs.shape),
-        "inputs.dtype": str(inputs.dtype),
-        "targets.shape": tuple(targets.shape),
+    options = {
         "activation": (between[0], str(between[1])),
         "ranks": p,
         "stages_per_rank": v,
@@ -297,7 +294,8 @@ def pipeline_step(
         "wrap": ring,
         "backend": chosen,
     }
-    debug.check_agreement("pipeline_step", fields, error=error, backend=comm)
+    tensors = {"inputs": inputs, "targets": targets}
+    debug.agree("pipeline_step", tensors, options, backend=comm, error=error)
     if plan is None:  # no micro-batch: nothing flows, no collective (ranks agree)
         return PipelineStep(inputs.new_zeros(()), None, (), (), ())
     zeros = torch.zeros(between[0], dtype=between[1], device=inputs.device)

@@ -43,9 +43,10 @@ from collections.abc import Sequence
 
 import torch
 
-from xla_permute.backend import check_tensor
+from xla_permute.backends.select import BackendName as Backend
+from xla_permute.backends.select import check_tensor
 from xla_permute.pairs import Pairs, check_groups, ring_pairs
-from xla_permute.permute import Backend, collective_permute
+from xla_permute.permute import collective_permute
 
 __all__ = [
     "check_offset",

@@ -300,7 +300,7 @@ CAVEATS: tuple[Caveat, ...] = (
             "argument) never meet and abort. The native permute can be traced, not run."
         ),
         library_action=(
-            "Every collective here carries a per-rank channel id (xla_permute.channels); "
+            "Every collective here carries a per-rank channel id (xla_permute.backends.channels); "
             "collective_permute's 'auto' backend is the emulated one (channel-id all-gather "
             "and select) on CPU."
         ),

@@ -74,7 +74,7 @@ class TpuCollectiveMatmulSetup:
         if isinstance(channel_id, bool) or not isinstance(channel_id, int) or channel_id < 1:
             raise ValueError(
                 f"channel_id must be a positive int, the same on every rank and distinct per "
-                f"collective in a program (xla_permute.channels.next_channel_id()); got "
+                f"collective in a program (xla_permute.backends.channels.next_channel_id()); got "
                 f"{channel_id!r}"
             )
         return {**self.collective_kwargs, "channel_id": channel_id, "groups": groups}

@@ -356,7 +356,7 @@ def _run_on_rank(names: list[str]) -> dict[str, tuple[bool, Any, float]]:
 
 def run_checks(n: int = 4, names: Sequence[str] | None = None) -> list[Row]:
     """Run the named checks (default: all) in one launch of an ``n``-device CPU mesh."""
-    from xla_permute.launch import run_on_mesh
+    from xla_permute.mesh.launch import run_on_mesh
 
     checks = [c for c in CHECKS if names is None or c.name in names]
     per_rank = run_on_mesh(_run_on_rank, [c.name for c in checks], n=n)
@@ -390,7 +390,7 @@ def format_table(rows: Sequence[Row]) -> str:
 
 def main(n: int = 4) -> int:
     """Print the table of one ``n``-device launch; return 0 when every check passed, else 1."""
-    from xla_permute.launch import MeshError
+    from xla_permute.mesh.launch import MeshError
 
     print(
         f"self-test: {n}-device CPU mesh (PJRT_DEVICE=CPU), one launch, vs the reference "

@@ -1,7 +1,7 @@
 """``python -m xla_permute bench --backend c10d``: the rings on torch.distributed, measured.
 
 Real processes (``torchrun --standalone``, gloo, CPU tensors, one thread per process), the
-``c10d`` backend (:mod:`xla_permute.c10d`): every permute is a point-to-point
+``c10d`` backend (:mod:`xla_permute.backends.c10d`): every permute is a point-to-point
 ``batch_isend_irecv`` that runs while the ring computes. At each process count (2 and 4 by
 default) one launch measures, side by side in one run (interleaved, alternating order):
 
@@ -220,7 +220,7 @@ def worker(out: str, config: dict[str, Any]) -> None:
     import torch
     import torch.distributed as dist
 
-    from xla_permute.c10d import c10d_backend
+    from xla_permute.backends.c10d import c10d_backend
 
     c = C10dConfig(**{**config, "processes": tuple(config["processes"]),
                       "ops": tuple(config["ops"])})  # fmt: skip

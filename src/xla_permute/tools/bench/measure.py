@@ -1,6 +1,6 @@
 """What the bench measures on a rank: run, trace and compile times, and peak memory.
 
-Rank functions for :func:`~xla_permute.launch.run_on_mesh` (the host side that launches them
+Rank functions for :func:`~xla_permute.mesh.launch.run_on_mesh` (the host side that launches them
 is :mod:`xla_permute.tools.bench.run`):
 
 * :func:`bench_rank`: emulated runs on every rank (:func:`emulated_runs`), then native trace

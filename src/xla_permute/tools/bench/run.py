@@ -108,7 +108,7 @@ def run_bench(
     baseline's). ``variant`` is "token" (torch_xla's default) or "no_token"
     (``DISABLE_NUMERIC_CC_TOKEN=1``).
     """
-    from xla_permute.launch import run_on_mesh
+    from xla_permute.mesh.launch import run_on_mesh
 
     say = progress or (lambda _: None)
     cfg = asdict(config)

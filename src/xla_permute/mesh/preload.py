@@ -7,7 +7,7 @@ launch about a hundred meshes. :func:`xla_permute.run_on_mesh` therefore asks a 
 child process that has imported those torch modules, but never torch_xla and never a device,
 to fork: the fork starts with torch in memory, takes the launch's environment, working
 directory and output pipes, and runs what a fresh ``python -c`` runs
-(``xla_permute.launch._child_main``), which imports torch_xla (about 0.2 s) and creates the
+(``xla_permute.mesh.device.main``), which imports torch_xla (about 0.2 s) and creates the
 PJRT client with the launch's settings.
 
 What a fork cannot change is what was read while importing: the zygote imported torch with
@@ -34,7 +34,14 @@ import sys
 import threading
 from typing import IO, Any
 
-__all__ = ["LAUNCH_VARIABLES", "PRELOAD", "PRELOAD_ENV", "ForkedProcess", "start_process"]
+__all__ = [
+    "EXTRA_ENV",
+    "LAUNCH_VARIABLES",
+    "PRELOAD",
+    "PRELOAD_ENV",
+    "ForkedProcess",
+    "start_process",
+]
 
 #: The modules the zygote imports (torch and what torch_xla's import pulls in from it).
 PRELOAD = (
@@ -50,8 +57,8 @@ PRELOAD = (
 #: The variables a launch may set differently from the zygote's environment, because no
 #: import of the :data:`PRELOAD` modules reads them (torch_xla, XLA and this package do;
 #: importing torch_xla sets ``GRPC_VERBOSITY``, ``PJRT_DYNAMIC_PLUGINS``, ``XLA_FLAGS`` and
-#: ``TF_CPP_MIN_LOG_LEVEL`` in the importing process; pytest changes ``PYTEST_CURRENT_TEST``
-#: for every test).
+#: ``TF_CPP_MIN_LOG_LEVEL`` in the importing process). A caller adds its own in
+#: :data:`EXTRA_ENV` (a test runner that changes a variable per test names it there).
 LAUNCH_VARIABLES = frozenset(
     {
         "PJRT_DEVICE",
@@ -64,11 +71,13 @@ LAUNCH_VARIABLES = frozenset(
         "XLA_PERMUTE_DEBUG",
         "XLA_ENABLE_PARAM_ALIASING",
         "DISABLE_NUMERIC_CC_TOKEN",
-        "PYTEST_CURRENT_TEST",
         "XLA_PERMUTE_PRELOAD",
         "XLA_PERMUTE_SYNC_GUARD",
+        "XLA_PERMUTE_LAUNCH_VARIABLES",
     }
 )
+#: Comma-separated names of further launch variables, read from the launch's environment.
+EXTRA_ENV = "XLA_PERMUTE_LAUNCH_VARIABLES"
 #: The switch (``XLA_PERMUTE_PRELOAD=0`` in a launch's environment starts a fresh interpreter
 #: for it).
 PRELOAD_ENV = "XLA_PERMUTE_PRELOAD"
@@ -76,7 +85,8 @@ _READY_TIMEOUT = 300.0  # seconds for the zygote's imports, on a loaded machine
 
 
 def _key(env: dict[str, str]) -> frozenset[tuple[str, str]]:
-    return frozenset((k, v) for k, v in env.items() if k not in LAUNCH_VARIABLES)
+    extra = {name.strip() for name in env.get(EXTRA_ENV, "").split(",")}
+    return frozenset((k, v) for k, v in env.items() if k not in LAUNCH_VARIABLES and k not in extra)
 
 
 class ForkedProcess:
@@ -184,7 +194,7 @@ def start_process(
     entry: str, argv: list[str], env: dict[str, str]
 ) -> ForkedProcess | subprocess.Popen:
     """Start a process that calls ``entry`` (``"module:function"``, e.g. the mesh's
-    ``"xla_permute.launch:_child_main"``) with the strings ``argv``, in environment ``env``:
+    ``"xla_permute.mesh.device:main"``) with the strings ``argv``, in environment ``env``:
     a fork of the zygote (started, or replaced, when needed), or a fresh interpreter when the
     preload is off, the zygote cannot start, or it is busy with another launch. The function
     ends the process itself or returns (exit status 0).
@@ -225,7 +235,7 @@ def start_process(
     )
 
 
-_CALL = "import sys; from xla_permute.preload import _call; _call(sys.argv[1], sys.argv[2:])"
+_CALL = "import sys; from xla_permute.mesh.preload import _call; _call(sys.argv[1], sys.argv[2:])"
 
 
 def _call(entry: str, argv: list[str]) -> None:

@@ -4,7 +4,7 @@ The CPU mesh is what makes collectives testable without an accelerator:
 ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=N`` gives N XLA devices in one process, one thread per
 device. Two settings must be right before torch_xla starts, which is why the mesh always runs
 in a child process of its own that has not imported torch_xla, started with the right
-environment (forked from a process that has imported torch already, :mod:`xla_permute.preload`,
+environment (forked from a process that has imported torch already, :mod:`xla_permute.mesh.preload`,
 which saves about 4 s a launch):
 
 * ``XLA_THREAD_POOL_SIZE`` must be at least N, or the device threads starve each other at the
@@ -37,9 +37,7 @@ import re
 import signal
 import sys
 import tempfile
-import threading
 import time
-import traceback
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -47,8 +45,8 @@ from typing import Any
 
 import cloudpickle
 
-from xla_permute import mesh_status, preload, rank_output
-from xla_permute.debug import ENV as _DEBUG_ENV
+from xla_permute.mesh import preload, rank_output
+from xla_permute.mesh import status as mesh_status
 
 #: torch_xla's switch for donating updated parameters' buffers (off on the mesh, see
 #: :func:`mesh_environment`).
@@ -57,10 +55,6 @@ _ALIASING_ENV = "XLA_ENABLE_PARAM_ALIASING"
 _OPT_FLAG = "--xla_backend_optimization_level"
 
 __all__ = ["MeshError", "RankError", "mesh_environment", "run_on_mesh"]
-
-#: ``XLA_PERMUTE_SYNC_GUARD=0`` in a launch's environment turns the sync guard off
-#: (:func:`_guard_syncs`), to see torch_xla's own behaviour.
-SYNC_GUARD_ENV = "XLA_PERMUTE_SYNC_GUARD"
 
 #: Seconds after which a mesh run counts as hung (a collective that never completes).
 DEFAULT_TIMEOUT = 300.0
@@ -169,8 +163,10 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
         TF_CPP_MIN_LOG_LEVEL=out.get("TF_CPP_MIN_LOG_LEVEL", "2"),
     )
     # The CPU mesh is where programs are developed: ranks that disagree raise by default.
-    if not out.get(_DEBUG_ENV, "").strip():
-        out[_DEBUG_ENV] = "1"
+    from xla_permute.debug import ENV  # not at the top: debug imports mesh.status
+
+    if not out.get(ENV, "").strip():
+        out[ENV] = "1"
     # Parameter aliasing deadlocks training loops on a mesh of threads (see the docstring).
     if not out.get(_ALIASING_ENV, "").strip():
         out[_ALIASING_ENV] = "0"
@@ -336,7 +332,7 @@ def run_on_mesh(
     only (the default off the mesh), for timed runs.
 
     What the ranks print (and their warnings) appears here while they run, each line
-    prefixed by its rank (``[rank 2] ...``; :mod:`xla_permute.rank_output`).
+    prefixed by its rank (``[rank 2] ...``; :mod:`xla_permute.mesh.rank_output`).
 
     Returns the per-rank return values in rank order. Tensors on an XLA device in them, in
     any container (lists, dicts, named tuples, dataclasses, ...), come back as CPU tensors
@@ -352,7 +348,7 @@ def run_on_mesh(
             (a collective rendezvous abort) or ran over ``timeout`` seconds. For an abort the
             message names the collective, the ranks that waited at it, and for each rank that
             did not arrive whether it was in ``torch_xla.sync()`` (compiling) or in Python, and
-            the last op of this package it called (:mod:`xla_permute.mesh_status`).
+            the last op of this package it called (:mod:`xla_permute.mesh.status`).
         RankError: a rank raised; the message names the rank and the original error,
             which is also ``__cause__``.
     """
@@ -366,7 +362,7 @@ def run_on_mesh(
         payload_path, result_path = Path(tmp, "payload.pkl"), Path(tmp, "result.pkl")
         payload_path.write_bytes(payload)
         argv = [str(payload_path), str(result_path)]
-        with preload.start_process("xla_permute.launch:_child_main", argv, environment) as proc:
+        with preload.start_process("xla_permute.mesh.device:main", argv, environment) as proc:
             finished, err = rank_output.relay(proc, timeout)
             if not finished:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -409,10 +405,14 @@ _TERMINATED = re.compile(
 
 def _diagnose(err: str, directory: str, n: int) -> str:
     """What the abort says and what the ranks were doing: which collective, who waited at it,
-    who never came and where that rank was (:mod:`xla_permute.mesh_status`)."""
+    who never came and where that rank was (:mod:`xla_permute.mesh.status`)."""
     found = _TERMINATED.search(err)
-    if found is None:
-        return ""
+    if found is None:  # a hang, or a death without XLA's message: where was every rank?
+        status, now = mesh_status.read(directory), time.monotonic()
+        if not status:
+            return ""
+        ranks = "; ".join(f"rank {r} " + _describe(status.get(r), now) for r in range(n))
+        return f"Diagnosis: {ranks}. "
     kind, channel, expected, arrived = found.groups()
     waiting = sorted({int(i) for i, k, c in _STUCK.findall(err) if (k, c) == (kind, channel)})
     status = mesh_status.read(directory)
@@ -457,122 +457,3 @@ def _plural(word: str, ranks: list[int]) -> str:
 
 def _tail(text: str, lines: int = 25) -> str:
     return "\n".join(text.strip().splitlines()[-lines:]) or "(empty)"
-
-
-# --------------------------------------------------------------------------- the device process
-
-
-class _ResultPickler(pickle.Pickler):
-    """Pickles results with every tensor on a device as a detached CPU tensor."""
-
-    def reducer_override(self, obj: Any) -> Any:
-        import torch
-
-        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
-            return obj.detach().cpu().__reduce_ex__(pickle.DEFAULT_PROTOCOL)
-        return NotImplemented
-
-
-def _result_bytes(value: Any) -> bytes:
-    buf = io.BytesIO()
-    _ResultPickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(value)
-    return buf.getvalue()
-
-
-_result_path: Path | None = None  # set once in the device process, read by its rank threads
-_failure_lock = threading.Lock()
-
-
-def _write_result(status: str, value: Any) -> None:
-    assert _result_path is not None
-    _result_path.write_bytes(_result_bytes((status, value)))
-
-
-def _fail(rank: int, e: BaseException) -> None:
-    """Report rank ``rank``'s failure and end the device process at once."""
-    with _failure_lock:  # the first failure wins; the other ranks may wait on it forever
-        try:
-            original = pickle.loads(pickle.dumps(e))
-        except Exception:
-            original = None
-        tb = "".join(traceback.format_exception(e))
-        _write_result("rank-error", (rank, type(e).__name__, str(e), tb, original))
-        sys.stdout.flush()
-        os._exit(1)
-
-
-def _run_rank(payload: bytes) -> Any:
-    """Run the call on this rank with a copy of its own (unpickled here, on the rank's thread):
-    a module or tensor in the arguments or globals is never shared with another rank."""
-    import torch_xla.runtime as xr
-
-    rank = xr.global_ordinal()
-    rank_output.set_rank(rank)
-    mesh_status.set_rank(rank)
-    try:
-        fn, args, kwargs = pickle.loads(payload)
-        value = fn(*args, **kwargs)
-    except BaseException as e:  # noqa: BLE001 - every rank failure is reported, with its rank
-        _fail(rank, e)
-    try:  # results go home as CPU data: convert (and check) here, on the rank's own thread
-        return pickle.loads(_result_bytes(value))
-    except Exception as e:  # noqa: BLE001
-        _fail(rank, TypeError(f"the result of rank {rank} cannot be sent back: {e}; return "
-                              f"tensors, numbers, strings and containers of them"))  # fmt: skip
-
-
-def _guard_syncs() -> None:
-    """Give every rank's ``torch_xla.sync()`` a pending scalar on the rank's own device.
-
-    torch_xla 2.9 waits, in a sync with nothing to run, for the device lock of a
-    default-constructed device: ``CPU:0``, rank 0's device on the mesh. While rank 0 executes a
-    collective (its lock held until the collective ends), a rank whose sync is empty (it
-    dropped its results, or every call since its last sync was refused) blocks there instead
-    of reaching the collective, and XLA:CPU aborts the process after 15 s (tutorial 04 has the
-    reproducer, in torch_xla alone). With one pending scalar on the rank's device the sync locks
-    that device only. The scalar is one more output of each step's program, the same on every
-    rank. The sync also records this rank's time in it (:mod:`xla_permute.mesh_status`).
-    """
-    import torch
-    import torch_xla
-
-    step_marker = torch_xla._XLAC._xla_step_marker
-
-    def guarded(*args: Any, **kwargs: Any) -> Any:
-        pending = torch.zeros((), device=torch_xla.device())  # noqa: F841 - held in the sync
-        mesh_status.enter_sync()
-        try:
-            return step_marker(*args, **kwargs)
-        finally:
-            mesh_status.leave_sync()
-
-    torch_xla._XLAC._xla_step_marker = guarded
-
-
-def _child_main(payload_path: str, result_path: str) -> None:
-    """Entry point of the device process: run the payload once on every device thread."""
-    global _result_path
-    _result_path = Path(result_path)
-    mesh_status.start(_result_path.parent)
-    rank_output.install()
-    try:
-        payload = Path(payload_path).read_bytes()
-        pickle.loads(payload)  # a call that cannot be unpickled here is a start error
-        from torch_xla._internal import pjrt
-
-        if os.environ.get(SYNC_GUARD_ENV, "1").strip() != "0":
-            _guard_syncs()
-        # What xmp.spawn runs in each host process: one thread per device, replication set.
-        results = pjrt._run_thread_per_device(
-            0,
-            1,
-            lambda: _run_rank(payload),
-            initializer_fn=pjrt.initialize_multiprocess,
-        )
-        _write_result("ok", [results[r] for r in sorted(results)])
-    except BaseException:  # noqa: BLE001
-        _write_result("start-error", traceback.format_exc())
-    for stream in (sys.stdout, sys.stderr):
-        stream.close_lines()
-    # Skip interpreter teardown: XLA's runtime threads can crash an orderly exit.
-    os._exit(0)

@@ -18,10 +18,10 @@ name           what it issues                            where
 
 ``backend="auto"`` picks ``c10d`` when ``torch.distributed`` is initialized and the tensor is
 not an XLA tensor; otherwise ``emulated`` on the XLA CPU backend and ``native`` elsewhere
-(:func:`get_backend`). The XLA implementations live in :mod:`xla_permute.xla_backend` (the
-one home of the torch_xla glue), the torch.distributed one in :mod:`xla_permute.c10d`; this
+(:func:`get_backend`). The XLA implementations live in :mod:`xla_permute.backends.xla` (the
+one home of the torch_xla glue), the torch.distributed one in :mod:`xla_permute.backends.c10d`; this
 module imports neither torch_xla nor a process group. The interface itself is in
-:mod:`xla_permute.comm` (re-exported here).
+:mod:`xla_permute.backends.base` (re-exported here).
 
 The interface, per rank (``pairs`` are global, checked ``(source, target)`` rank pairs):
 
@@ -48,8 +48,8 @@ from typing import Literal
 
 import torch
 
-from xla_permute.comm import CommBackend, Handle, Ready
-from xla_permute.debug import check_not_compiling
+from xla_permute.backends.base import CommBackend, Handle, Ready
+from xla_permute.backends.compiled import check_not_compiling
 from xla_permute.pairs import Groups, Pairs, global_pairs, ring_pairs
 
 __all__ = [
@@ -62,7 +62,9 @@ __all__ = [
     "check_tensor",
     "distributed_ready",
     "get_backend",
+    "resolve_backend",
     "ring",
+    "ring_of",
 ]
 
 BackendName = Literal["auto", "native", "emulated", "c10d"]
@@ -90,10 +92,10 @@ def get_backend(name: str = "auto", x: torch.Tensor | None = None) -> CommBacken
         is_xla = isinstance(x, torch.Tensor) and x.device.type == "xla"
         name = "c10d" if not is_xla and distributed_ready() else "xla-auto"
     if name == "c10d":
-        from xla_permute.c10d import c10d_backend
+        from xla_permute.backends.c10d import c10d_backend
 
         return c10d_backend()
-    from xla_permute.xla_backend import xla_backend
+    from xla_permute.backends.xla import xla_backend
 
     return xla_backend(None if name == "xla-auto" else name)
 
@@ -103,8 +105,8 @@ def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBacke
 
     The checks run before anything is asked of a runtime: a CPU tensor without a process
     group is refused without starting torch_xla. Inside ``torch.compile`` it raises
-    :class:`~xla_permute.debug.CompileError` first, naming the op
-    (:func:`~xla_permute.debug.check_not_compiling`).
+    :class:`~xla_permute.backends.compiled.CompileError` first, naming the op
+    (:func:`~xla_permute.backends.compiled.check_not_compiling`).
     """
     check_not_compiling()
     if not isinstance(x, torch.Tensor):
@@ -119,7 +121,7 @@ def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBacke
             f"{x.device.type} tensors on the torch.distributed process group"
         )
     if backend in ("native", "emulated") or (backend == "auto" and not ready):
-        from xla_permute.xla_backend import check_xla_tensor
+        from xla_permute.backends.xla import check_xla_tensor
 
         check_xla_tensor(x, name)
     chosen = get_backend(backend, x)
@@ -186,3 +188,34 @@ def ring(
     chosen = get_backend(backend) if isinstance(backend, str) else backend
     size, position, checked = chosen.position(groups)
     return Ring(chosen, size, position, checked, bool(bidirectional))
+
+
+def resolve_backend(backend: str, device_type: str | None = None) -> str:
+    """The name of the backend ``backend`` stands for (``"auto"`` resolved).
+
+    With ``device_type`` (an XLA device type): ``"emulated"`` on ``"CPU"``, ``"native"``
+    elsewhere. Without it: ``"c10d"`` when a ``torch.distributed`` process group is
+    initialized, else the XLA rule for this process's XLA device.
+
+    >>> resolve_backend("auto", "CPU"), resolve_backend("auto", "TPU"), resolve_backend("native")
+    ('emulated', 'native', 'native')
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if backend != "auto":
+        return backend
+    if device_type is not None:
+        return "emulated" if device_type == "CPU" else "native"
+    return get_backend("auto").name
+
+
+def ring_of(
+    groups: Sequence[Sequence[int]] | None = None, backend: str | CommBackend = "auto"
+) -> tuple[int, int, tuple[tuple[int, ...], ...] | None]:
+    """``(group size, this rank's position in its group, checked groups)`` on this rank.
+
+    ``groups=None``: all ranks, and ``None`` as the checked groups. Asks the backend
+    (``"auto"``: torch.distributed when it is initialized, else the XLA runtime).
+    """
+    chosen = get_backend(backend) if isinstance(backend, str) else backend
+    return chosen.position(groups)

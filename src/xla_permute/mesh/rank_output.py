@@ -1,6 +1,6 @@
 """Live output of the mesh: every rank's lines, prefixed by its rank, shown as they are written.
 
-The ranks of the CPU mesh are threads of one device process (:mod:`xla_permute.launch`). In
+The ranks of the CPU mesh are threads of one device process (:mod:`xla_permute.mesh.launch`). In
 that process :func:`install` replaces ``sys.stdout`` and ``sys.stderr`` with streams that put
 ``[rank r] `` before each line a rank's thread writes (Python warnings included: they go to
 ``sys.stderr``); lines from other threads (the autograd engine's, XLA's own logs written to

@@ -4,9 +4,9 @@ XLA:CPU ends the device process with SIGABRT when a collective's ranks arrive mo
 apart; the process's Python state dies with it. So each rank keeps one line about itself in a
 file of the launch's own directory: where it is (``sync`` while inside ``torch_xla.sync()``, which
 compiles the step's program and dispatches it; ``run`` outside), since when, how long its last
-sync took, and the last op of this package it called. :func:`xla_permute.launch.run_on_mesh`
+sync took, and the last op of this package it called. :func:`xla_permute.mesh.launch.run_on_mesh`
 reads the lines of the ranks that did not arrive and names them in its
-:class:`~xla_permute.launch.MeshError`.
+:class:`~xla_permute.mesh.launch.MeshError`.
 
 Outside the mesh's device process (:func:`start` not called) every function here does nothing.
 

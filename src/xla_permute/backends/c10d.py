@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from xla_permute.comm import CommBackend, Handle, Ready
+from xla_permute.backends.base import CommBackend, Handle, Ready
 from xla_permute.pairs import Groups, Pairs
 
 __all__ = ["c10d_backend"]

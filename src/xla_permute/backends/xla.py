@@ -1,7 +1,9 @@
-"""The torch_xla glue: the ``native`` and ``emulated`` backends (:mod:`xla_permute.backend`).
+"""The torch_xla glue: the ``native`` and ``emulated`` backends (:mod:`xla_permute.backends`).
 
 Everything this package asks of ``torch_xla`` at run time is here (channel ids come from
-:mod:`xla_permute.channels`): this rank's place (``xr.world_size()``, ``xr.global_ordinal()``),
+:mod:`xla_permute.backends.channels`, the tracing state from
+:mod:`xla_permute.backends.tracing`): this rank's place (``xr.world_size()``,
+``xr.global_ordinal()``),
 the device checks, the permute, the all-gather and reduce-scatter in the form that runs on
 every device (``pin_layout=False``, a channel id, ``use_global_device_ids=True``), the debug
 mode's agreement all-gather and the optimisation barrier. torch_xla is imported inside the
@@ -23,7 +25,7 @@ from collections.abc import Sequence
 
 import torch
 
-from xla_permute.comm import CommBackend, Handle, Ready
+from xla_permute.backends.base import CommBackend, Handle, Ready
 from xla_permute.hardware.rules import check_not_spmd
 from xla_permute.pairs import Groups, Pairs, source_of
 
@@ -78,7 +80,7 @@ def check_native_runs_here(device_type: str) -> None:
     """
     if device_type != "CPU":
         return
-    from xla_permute.hlo import is_tracing
+    from xla_permute.backends.tracing import is_tracing
 
     if not is_tracing():
         raise ValueError(
@@ -123,7 +125,7 @@ class _Xla(CommBackend):
     def all_gather(self, x: torch.Tensor, dim: int, groups: Groups) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
 
-        from xla_permute.channels import next_channel_id
+        from xla_permute.backends.channels import next_channel_id
 
         return xm.all_gather(
             x,
@@ -137,7 +139,7 @@ class _Xla(CommBackend):
     def reduce_scatter(self, x: torch.Tensor, dim: int, groups: Groups) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
 
-        from xla_permute.channels import next_channel_id
+        from xla_permute.backends.channels import next_channel_id
 
         return xm.reduce_scatter(
             xm.REDUCE_SUM,
@@ -158,7 +160,7 @@ class _Xla(CommBackend):
         import torch_xla
         import torch_xla.core.xla_model as xm
 
-        from xla_permute.channels import AGREEMENT_CHANNEL
+        from xla_permute.backends.channels import AGREEMENT_CHANNEL
 
         context = xm._get_device_context().device
         token = torch_xla._XLAC._get_all_reduce_token(context)

@@ -1,0 +1,57 @@
+"""The ops refuse ``torch.compile``: :func:`check_not_compiling`, before anything else they do.
+
+Imports nothing of this package, so every floor (the backends, the agreement checks) can call it.
+"""
+
+from __future__ import annotations
+
+import sys
+
+__all__ = ["CompileError", "check_not_compiling"]
+
+
+class CompileError(RuntimeError):
+    """An op of this package was called inside ``torch.compile`` (raised on every rank)."""
+
+
+def _in_compiled_frame() -> bool:
+    frame = sys._getframe(2)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name.startswith("torch_dynamo_resume_in_") or any(
+            name.startswith("__compiled_fn") for name in code.co_names
+        ):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def check_not_compiling(op: str | None = None) -> None:
+    """Raise :class:`CompileError` when called under ``torch.compile``.
+
+    The ops keep per-rank state on the host (channel ids, the collective token, the agreement
+    checks) that Dynamo cannot trace: under ``torch.compile(backend="openxla")`` the mesh aborted
+    or every rank failed with "Failed to get computation by hash", also with the op excluded by
+    ``torch.compiler.disable``. Dynamo either traces the call (``torch.compiler.is_compiling()``)
+    or, after a graph break, runs it from the bytecode it rewrote, whose frames name its
+    ``__compiled_fn_*`` or ``torch_dynamo_resume_in_*`` functions; both are refused. Every rank
+    runs the same code, so every rank raises, before any collective.
+    """
+    import torch
+
+    if torch.compiler.is_compiling() or _in_compiled_frame():
+        frame = sys._getframe(1)
+        if op is None:  # the first public function of this package on the stack
+            while frame.f_back is not None and (
+                frame.f_code.co_name.startswith("_")
+                or frame.f_globals.get("__name__") == "xla_permute.backends.select"
+            ):
+                frame = frame.f_back
+            op = frame.f_code.co_name
+        raise CompileError(
+            f"{op} was called inside torch.compile, which this package does not support: its "
+            f"collectives keep per-rank state that Dynamo cannot trace. Call it outside the "
+            f"compiled function (compile only the math around it), or run without "
+            f"torch.compile: torch_xla's lazy tensors already compile each step into one XLA "
+            f"program at torch_xla.sync()"
+        )

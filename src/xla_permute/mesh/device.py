@@ -1,0 +1,144 @@
+"""The device process of the CPU mesh: one thread per device runs the call, results go home.
+
+:func:`main` is what :func:`xla_permute.mesh.launch.run_on_mesh` starts (forked from the warm
+process of :mod:`xla_permute.mesh.preload`): it guards every rank's ``torch_xla.sync()``
+(:func:`guard_syncs`), runs the pickled call once per device thread, each rank with its own
+unpickled copy of it, and writes the per-rank results (or the first rank's error) to the
+launch's result file, where the caller reads them.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import sys
+import threading
+import traceback
+from pathlib import Path
+from typing import Any
+
+from xla_permute.mesh import rank_output
+from xla_permute.mesh import status as mesh_status
+
+__all__ = ["SYNC_GUARD_ENV", "guard_syncs", "main"]
+
+#: ``XLA_PERMUTE_SYNC_GUARD=0`` in a launch's environment turns the sync guard off
+#: (:func:`guard_syncs`), to see torch_xla's own behaviour.
+SYNC_GUARD_ENV = "XLA_PERMUTE_SYNC_GUARD"
+
+
+class _ResultPickler(pickle.Pickler):
+    """Pickles results with every tensor on a device as a detached CPU tensor."""
+
+    def reducer_override(self, obj: Any) -> Any:
+        import torch
+
+        if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
+            return obj.detach().cpu().__reduce_ex__(pickle.DEFAULT_PROTOCOL)
+        return NotImplemented
+
+
+def _result_bytes(value: Any) -> bytes:
+    buf = io.BytesIO()
+    _ResultPickler(buf, protocol=pickle.DEFAULT_PROTOCOL).dump(value)
+    return buf.getvalue()
+
+
+_result_path: Path | None = None  # set once in the device process, read by its rank threads
+_failure_lock = threading.Lock()
+
+
+def _write_result(status: str, value: Any) -> None:
+    assert _result_path is not None
+    _result_path.write_bytes(_result_bytes((status, value)))
+
+
+def _fail(rank: int, e: BaseException) -> None:
+    """Report rank ``rank``'s failure and end the device process at once."""
+    with _failure_lock:  # the first failure wins; the other ranks may wait on it forever
+        try:
+            original = pickle.loads(pickle.dumps(e))
+        except Exception:
+            original = None
+        tb = "".join(traceback.format_exception(e))
+        _write_result("rank-error", (rank, type(e).__name__, str(e), tb, original))
+        sys.stdout.flush()
+        os._exit(1)
+
+
+def _run_rank(payload: bytes) -> Any:
+    """Run the call on this rank with a copy of its own (unpickled here, on the rank's thread):
+    a module or tensor in the arguments or globals is never shared with another rank."""
+    import torch_xla.runtime as xr
+
+    rank = xr.global_ordinal()
+    rank_output.set_rank(rank)
+    mesh_status.set_rank(rank)
+    try:
+        fn, args, kwargs = pickle.loads(payload)
+        value = fn(*args, **kwargs)
+    except BaseException as e:  # noqa: BLE001 - every rank failure is reported, with its rank
+        _fail(rank, e)
+    try:  # results go home as CPU data: convert (and check) here, on the rank's own thread
+        return pickle.loads(_result_bytes(value))
+    except Exception as e:  # noqa: BLE001
+        _fail(rank, TypeError(f"the result of rank {rank} cannot be sent back: {e}; return "
+                              f"tensors, numbers, strings and containers of them"))  # fmt: skip
+
+
+def guard_syncs() -> None:
+    """Give every rank's ``torch_xla.sync()`` a pending scalar on the rank's own device.
+
+    torch_xla 2.9 waits, in a sync with nothing to run, for the device lock of a
+    default-constructed device: ``CPU:0``, rank 0's device on the mesh. While rank 0 executes a
+    collective (its lock held until the collective ends), a rank whose sync is empty (it
+    dropped its results, or every call since its last sync was refused) blocks there instead
+    of reaching the collective, and XLA:CPU aborts the process after 15 s (tutorial 04 has the
+    reproducer, in torch_xla alone). With one pending scalar on the rank's device the sync locks
+    that device only. The scalar is one more output of each step's program, the same on every
+    rank. The sync also records this rank's time in it (:mod:`xla_permute.mesh.status`).
+    """
+    import torch
+    import torch_xla
+
+    step_marker = torch_xla._XLAC._xla_step_marker
+
+    def guarded(*args: Any, **kwargs: Any) -> Any:
+        pending = torch.zeros((), device=torch_xla.device())  # noqa: F841 - held in the sync
+        mesh_status.enter_sync()
+        try:
+            return step_marker(*args, **kwargs)
+        finally:
+            mesh_status.leave_sync()
+
+    torch_xla._XLAC._xla_step_marker = guarded
+
+
+def main(payload_path: str, result_path: str) -> None:
+    """Entry point of the device process: run the payload once on every device thread."""
+    global _result_path
+    _result_path = Path(result_path)
+    mesh_status.start(_result_path.parent)
+    rank_output.install()
+    try:
+        payload = Path(payload_path).read_bytes()
+        pickle.loads(payload)  # a call that cannot be unpickled here is a start error
+        from torch_xla._internal import pjrt
+
+        if os.environ.get(SYNC_GUARD_ENV, "1").strip() != "0":
+            guard_syncs()
+        # What xmp.spawn runs in each host process: one thread per device, replication set.
+        results = pjrt._run_thread_per_device(
+            0,
+            1,
+            lambda: _run_rank(payload),
+            initializer_fn=pjrt.initialize_multiprocess,
+        )
+        _write_result("ok", [results[r] for r in sorted(results)])
+    except BaseException:  # noqa: BLE001
+        _write_result("start-error", traceback.format_exc())
+    for stream in (sys.stdout, sys.stderr):
+        stream.close_lines()
+    # Skip interpreter teardown: XLA's runtime threads can crash an orderly exit.
+    os._exit(0)
