@@ -359,11 +359,9 @@ def _column(layers: Sequence[ColumnParallelLinear], x: torch.Tensor) -> tuple[to
     """Column-parallel layers of one shape and setting on one input: one ring for all."""
     first = layers[0]
     ws = [layer.weight.T for layer in layers]
-    kw = dict(dim=first.dim, groups=first.groups)
+    kw = dict(dim=first.dim, groups=first.groups, backend=first.backend)
     if first._method(x, len(layers)) == "ring":
-        ys = all_gather_matmul(
-            x, ws, bidirectional=first.bidirectional, backend=first.backend, **kw
-        )
+        ys = all_gather_matmul(x, ws, bidirectional=first.bidirectional, **kw)
     else:
         ys = all_gather_then_matmul(x, ws, **kw)
     return tuple(y if c.bias is None else y + c.bias for y, c in zip(ys, layers, strict=True))
@@ -381,15 +379,13 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``ReduceScatter(x @ W_r.T, dim) + b``: ``[..., S, K/N] -> [..., S/N, F]``."""
         w = self.weight.T
-        kw = dict(dim=self.dim, groups=self.groups)
+        kw = dict(dim=self.dim, groups=self.groups, backend=self.backend)
         if self._method(x) == "ring":
-            y = matmul_reduce_scatter(
-                x, w, bidirectional=self.bidirectional, backend=self.backend, **kw
-            )
+            y = matmul_reduce_scatter(x, w, bidirectional=self.bidirectional, **kw)
         else:  # baseline, or "xla": its reduce-scatter in the input dtype, as the PoC's
             reduce_dtype = x.dtype if self.strategy == "xla" else None
             y = matmul_then_reduce_scatter(x, w, reduce_dtype=reduce_dtype, **kw)
         if self.bias is None or y.numel() == 0:
             return y if self.bias is None else y + self.bias
         # The bias is whole on every rank but each rank adds it to its own rows only.
-        return y + sum_gradients(self.bias, groups=self.groups)
+        return y + sum_gradients(self.bias, groups=self.groups, backend=self.backend)
