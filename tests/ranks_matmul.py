@@ -139,6 +139,7 @@ def collectives_roundtrip(xs: torch.Tensor, gs_gather: torch.Tensor, gs_sum: tor
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
+    import xla_permute as xp
     from xla_permute.collectives import all_gather, reduce_scatter, sum_gradients
 
     rank, d = xr.global_ordinal(), torch_xla.device()
@@ -149,7 +150,12 @@ def collectives_roundtrip(xs: torch.Tensor, gs_gather: torch.Tensor, gs_sum: tor
     loss = (gathered * gs_gather[rank].to(d)).sum() + (scattered * gs_sum[rank].to(d)).sum()
     (loss + (sum_gradients(b) * (rank + 1)).sum()).backward()
     xm.mark_step()
-    return {"gathered": gathered, "scattered": scattered, "dx": x.grad, "db": b.grad}
+    c = torch.ones(3, device=d).requires_grad_()  # sum_gradients' backward alone, for its HLO
+    sum_gradients(c).sum().backward()
+    sum_hlo = xp.hlo.trace(c.grad)
+    xm.mark_step()
+    return {"gathered": gathered, "scattered": scattered, "dx": x.grad, "db": b.grad,
+            "sum_hlo": sum_hlo}  # fmt: skip
 
 
 def mlp_train_step(

@@ -16,7 +16,7 @@ Kinds (per rank, N ranks, ``x [B, S, H]``):
 * ``block2d``: tutorial 10's transformer block on a ``Mesh2D(tp=2, cp=N/2)``: TP gated MLP
   and attention heads, sequence parallel, causal zigzag ring attention over the CP groups;
   gradients of replicated weights summed with
-  :func:`~xla_permute.allreduce.all_reduce_gradients`.
+  :func:`~xla_permute.collectives.all_reduce_gradients`.
 
 Each rank's loss (:func:`loss_of`) covers the values it holds; the total loss is the sum
 over ranks.

@@ -10,12 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Sums over a group (all-reduce) and of replicated parameters' gradients
-from xla_permute.allreduce import all_reduce, all_reduce_gradients
-
 # Ring attention (context parallelism) and its sequence layouts
 from xla_permute.attention import all_gather_attention, ring_attention
-from xla_permute.collectives import all_gather, reduce_scatter, sum_gradients
+from xla_permute.collectives import (
+    all_gather,
+    all_reduce,
+    all_reduce_gradients,
+    reduce_scatter,
+    sum_gradients,
+)
 
 # The debug mode: every collective first checks that all ranks pass the same arguments
 from xla_permute.debug import DisagreementError, debug_mode
