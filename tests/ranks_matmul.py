@@ -94,7 +94,7 @@ def matmul_hlo() -> dict[str, Any]:
     out = {}
     with xp.hlo.tracing():
         for name, bi, chunks in [("mrs", False, 1), ("mrs", True, 1), ("agm", False, 2)]:
-            if name == "mrs":  # K=8 > F=2: x read in 4 row chunks per block
+            if name == "mrs":  # K=8 > F=2: x read in 4 row slices per block
                 y = xp.matmul_reduce_scatter(
                     torch.ones(4 * n, 8, device=d), torch.ones(8, 2, device=d), dim=0,
                     bidirectional=bi, backend="native",

@@ -218,7 +218,7 @@ def test_trace_and_compile_at_a_second_mesh_size():
 
 def test_partial_sum_bytes_follow_reduce_dtype(smoke):
     # bfloat16 inputs: float32 partial sums by default, half of that with reduce_dtype=bf16;
-    # the traced HLO, partial_sum_dtype and the cost model agree (one source of truth).
+    # the traced HLO, accumulation_dtype and the cost model agree (one source of truth).
     _, result, _, _ = smoke
     got = {(r["name"], r["reduce_dtype"]): r for r in result["reduce_dtype_bytes"]}
     block = TINY.m * TINY.f

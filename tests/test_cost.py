@@ -73,7 +73,7 @@ def test_chip_without_a_citation_is_rejected():
     [
         ({"m": 0}, ValueError, "m must be a positive number"),
         ({"k": -1}, ValueError, "k must be a positive number"),
-        ({"n_devices": 0}, ValueError, "n_devices must be >= 1"),
+        ({"n_devices": 0}, ValueError, "n_devices must be an int >= 1"),
         ({"n_devices": 2.0}, TypeError, "n_devices must be an int"),
         ({"op": "all_reduce"}, ValueError, "op must be one of"),
     ],
@@ -195,11 +195,11 @@ def test_partial_sum_bytes_are_what_the_code_sends(dtype, reduce_dtype):
     # One source of truth: the model's bytes per partial sum come from the code's own rule.
     import torch
 
-    from xla_permute.matmul import partial_sum_dtype
+    from xla_permute.reference import accumulation_dtype
 
     dt = getattr(torch, dtype)
     rd = None if reduce_dtype is None else getattr(torch, reduce_dtype)
-    sent = partial_sum_dtype(dt, rd).itemsize
+    sent = accumulation_dtype(dt, rd).itemsize
     rd_bytes = None if rd is None else rd.itemsize
     assert cost.partial_sum_bytes(dt.itemsize, rd_bytes) == sent
     work = Workload(m=8, k=4, n=16, n_devices=4, dtype_bytes=dt.itemsize,
@@ -400,13 +400,13 @@ def test_chunks_cost_latency_when_compute_bound():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
-        ({"chunks": 0}, "chunks must be a positive int"),
-        ({"chunks": True}, "chunks must be a positive int"),
-        ({"chunks": 2, "op": "matmul_reduce_scatter"}, "option of all_gather_matmul only"),
+        ({"chunks": 0}, ValueError, "chunks must be an int >= 1, got 0"),
+        ({"chunks": True}, TypeError, "chunks must be an int >= 1, got True"),
+        ({"chunks": 2, "op": "matmul_reduce_scatter"}, ValueError, "option of all_gather_matmul"),
     ],
 )
-def test_bad_chunks(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_chunks(kwargs, error, match):
+    with pytest.raises(error, match=match):
         Workload(m=8, k=8, n=8, n_devices=4, **kwargs)

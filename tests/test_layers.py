@@ -19,9 +19,9 @@ from xla_permute.layers import ColumnParallelLinear, RowParallelLinear
 H, F, B, S, N = 8, 16, 2, 8, 4
 LR = 2.0**-10
 VARIANTS = [
-    {"activation": act, "collective_matmul": cm, "bidirectional": bi}
+    {"activation": act, "strategy": strategy, "bidirectional": bi}
     for act in ("relu", "gelu")
-    for cm, bi in ((True, False), (True, True), (False, False))
+    for strategy, bi in (("ring", False), ("ring", True), ("baseline", False))
 ]
 
 

@@ -184,9 +184,9 @@ def test_reduce_dtype(run):
     for key in ("None", "torch.bfloat16", "torch.float32"):
         got = torch.stack([r["reduce_dtype"][key] for r in per_rank])
         assert got.dtype == torch.bfloat16 and torch.equal(got, want), key
-    assert xp.matmul.partial_sum_dtype(torch.bfloat16) == torch.float32
-    assert xp.matmul.partial_sum_dtype(torch.float16, torch.float16) == torch.float16
-    assert xp.matmul.partial_sum_dtype(torch.float64) == torch.float64
+    assert xp.reference.accumulation_dtype(torch.bfloat16) == torch.float32
+    assert xp.reference.accumulation_dtype(torch.float16, torch.float16) == torch.float16
+    assert xp.reference.accumulation_dtype(torch.float64) == torch.float64
 
 
 def test_gated_mlp_equals_the_single_device_mlp(run):

@@ -62,7 +62,7 @@ def test_empty_sequence():
 def test_refusals():
     with pytest.raises(TypeError, match="tp must be an int"):
         xp.Mesh2D(tp=2.0, cp=2)
-    with pytest.raises(ValueError, match="cp must be >= 1"):
+    with pytest.raises(ValueError, match="cp must be an int >= 1"):
         xp.Mesh2D(tp=2, cp=0)
     mesh = xp.Mesh2D(tp=2, cp=2)
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, 4\)"):

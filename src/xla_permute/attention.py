@@ -47,12 +47,11 @@ import torch
 
 from xla_permute.backend import CommBackend, Handle, Ring, check_tensor, ring
 from xla_permute.permute import Backend
+from xla_permute.reference import accumulation_dtype
 from xla_permute.schedule import AttentionHop, ring_attention_schedule
 from xla_permute.sequence import check_layout, layout_chunks
 
 __all__ = ["all_gather_attention", "ring_attention"]
-
-_HALF = (torch.bfloat16, torch.float16)
 
 
 def _span(chunks: tuple[int, ...], held: tuple[int, ...], size: int) -> slice:
@@ -384,7 +383,7 @@ def ring_attention(
     _agree("ring_attention", q, k, ring_, causal=causal, layout=layout, scale=scale_)
     if q.numel() == 0 or k.numel() == 0:  # every rank agrees: no collective
         return q * 0 + (k.sum() + v.sum()) * 0
-    acc = torch.float32 if q.dtype in _HALF else q.dtype
+    acc = accumulation_dtype(q.dtype)
     ring_.check(acc)
     schedule = ring_attention_schedule(n, rank, causal=causal, layout=layout)
     plan = _Plan(n, rank, ring_, layout, scale_, acc, schedule)
@@ -438,7 +437,7 @@ def all_gather_attention(
         return q * 0 + (k.sum() + v.sum()) * 0
     n, rank = chosen.world_size(), chosen.rank()
     (b, hq, s, d), hkv = q.shape, k.shape[1]
-    acc = torch.float32 if q.dtype in _HALF else q.dtype
+    acc = accumulation_dtype(q.dtype)
     kv = all_gather(torch.stack([k, v]), dim=3, backend=chosen.name).to(
         acc
     )  # [2, B, Hkv, N*S/N, D]

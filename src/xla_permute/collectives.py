@@ -28,14 +28,15 @@ after ``loss.backward()``, as data-parallel training does, in one collective per
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from xla_permute.backend import CommBackend, check_tensor
 from xla_permute.pairs import Groups as CheckedGroups
-from xla_permute.pairs import check_groups
+from xla_permute.pairs import GroupsLike as Groups
+from xla_permute.pairs import check_dim, check_groups
 
 __all__ = [
     "all_gather",
@@ -44,8 +45,6 @@ __all__ = [
     "reduce_scatter",
     "sum_gradients",
 ]
-
-Groups = Sequence[Sequence[int]] | None
 
 
 class _AllGather(torch.autograd.Function):
@@ -76,12 +75,6 @@ class _ReduceScatter(torch.autograd.Function):
         return back, None, None, None
 
 
-def _dim(x: torch.Tensor, dim: object, op: str) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"{op}: dim={dim!r} is not a dimension of x with shape {tuple(x.shape)}")
-    return dim % x.dim()
-
-
 def _agree(op: str, fields: dict[str, Any], x: torch.Tensor, backend: CommBackend) -> None:
     """Debug mode (:mod:`xla_permute.debug`): every rank passes the same ``fields`` and ``x``
     on its own device; else raise on every rank before the collective."""
@@ -106,7 +99,7 @@ def _begin(x: object, dim: object, groups: Groups, backend: str, op: str) -> tup
     """The op's boundary: ``(x, dim, checked groups, backend)``."""
     chosen = check_tensor(x, "x", backend)
     assert isinstance(x, torch.Tensor)
-    return x, _dim(x, dim, op), check_groups(groups, chosen.world_size()), chosen
+    return x, check_dim(dim, x.shape, op=op), check_groups(groups, chosen.world_size()), chosen
 
 
 def all_gather(
@@ -147,6 +140,21 @@ def reduce_scatter(
         _, position, _ = chosen.position(checked)
         return x.narrow(dim, position * (x.shape[dim] // n), x.shape[dim] // n)
     return _ReduceScatter.apply(x, dim, checked, chosen)
+
+
+def all_gather_checked(
+    x: torch.Tensor, dim: int, groups: CheckedGroups, backend: CommBackend
+) -> torch.Tensor:
+    """:func:`all_gather` of arguments an op has checked already (and agreed on in debug
+    mode): the baselines of :mod:`xla_permute.matmul` call it after their own boundary."""
+    return _AllGather.apply(x, dim, groups, backend)
+
+
+def reduce_scatter_checked(
+    x: torch.Tensor, dim: int, groups: CheckedGroups, backend: CommBackend
+) -> torch.Tensor:
+    """:func:`reduce_scatter` of checked arguments (as :func:`all_gather_checked`)."""
+    return _ReduceScatter.apply(x, dim, groups, backend)
 
 
 def _sum(x: torch.Tensor, groups: CheckedGroups, backend: CommBackend) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """Roofline cost model: when does collective matmul pay, per chip?
 
-Nothing here runs on a device: it is arithmetic on published chip figures. Four parts:
+Nothing here runs on a device: it is arithmetic on published chip figures. Five parts:
 
 * :mod:`xla_permute.cost.chips`: :class:`Chip` and the ``CHIPS`` table, every figure
   with its citation;
@@ -8,7 +8,9 @@ Nothing here runs on a device: it is arithmetic on published chip figures. Four 
   :func:`ring_collective_time`, :func:`predict`, :func:`speedup`, :func:`crossover`, ...), in
   its module docstring;
 * :mod:`xla_permute.cost.validation`: the model next to published measurements;
-* :mod:`xla_permute.cost.pipeline`: the step time of a pipeline schedule.
+* :mod:`xla_permute.cost.pipeline`: the step time of a pipeline schedule;
+* :mod:`xla_permute.cost.strategy`: the layers' ``strategy="auto"`` (ring or baseline, by the
+  model, for the detected chip).
 
 Every public name is reached from here: ``xp.cost.predict(xp.cost.CHIPS["tpu-v5p"], work)``.
 
@@ -43,6 +45,7 @@ from xla_permute.cost.pipeline import (
     step_time,
     torchtitan_comparison,
 )
+from xla_permute.cost.strategy import choose_strategy, detected_chip
 from xla_permute.cost.validation import (
     ValidationRow,
     format_validation_table,
@@ -59,10 +62,12 @@ __all__ = [
     "ValidationRow",
     "Workload",
     "baseline_time",
+    "choose_strategy",
     "chunk_overhead",
     "collective_matmul_time",
     "crossover",
     "crossover_table",
+    "detected_chip",
     "directions",
     "format_validation_table",
     "link_time",

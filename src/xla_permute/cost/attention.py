@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from xla_permute.cost.chips import CHIPS, Chip
 from xla_permute.cost.model import Prediction, ring_collective_time
+from xla_permute.pairs import check_int
 from xla_permute.schedule import ring_attention_schedule, schedule_work
 from xla_permute.sequence import check_layout
 
@@ -75,8 +76,7 @@ class AttentionWorkload:
     def __post_init__(self) -> None:
         for name in ("seq_len", "n_devices", "batch", "q_heads", "kv_heads", "head_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AttentionWorkload: {name} must be an int >= 1, got {value!r}")
+            check_int(value, f"AttentionWorkload: {name}", 1)
         check_layout(self.layout)
         chunks = self.n_devices * (2 if self.layout == "zigzag" else 1)
         if self.seq_len % chunks:

@@ -35,7 +35,7 @@ Every figure names the backend that produced it:
   :func:`~xla_permute.hlo.account_bytes` (ring algorithms assumed for all-gather and
   reduce-scatter), per collective, per schedule step and in total; and matmul-reduce-scatter
   on bfloat16 inputs with ``reduce_dtype`` None (float32 partial sums) and bfloat16, checked
-  against :func:`~xla_permute.matmul.partial_sum_dtype` and the cost model's charge.
+  against :func:`~xla_permute.reference.accumulation_dtype` and the cost model's charge.
 * **run** (``emulated``): wall time of executing the program on the CPU mesh, where the
   permute is emulated by a channel-id all-gather that moves N times the data of a permute.
   Median over ``repeats`` after ``warmup`` runs, slowest rank. It measures the CPU emulation,

@@ -107,9 +107,9 @@ def checks(
     for r in reduce_bytes:
         out.append({
             "check": f"{r['name']}, bf16, reduce_dtype={r['reduce_dtype']}: bytes sent = "
-                     "partial_sum_dtype's = the cost model's",
+                     "accumulation_dtype's = the cost model's",
             "ok": r["sent"] == r["expected"] == r["model"],
-            "detail": f"{r['sent']} B sent, {r['expected']} B from partial_sum_dtype "
+            "detail": f"{r['sent']} B sent, {r['expected']} B from accumulation_dtype "
                       f"({r['partial_sum_dtype']}), {r['model']} B in the cost model",
         })  # fmt: skip
     named = _by_name(rows)
@@ -283,7 +283,7 @@ def format_report(result: dict[str, Any]) -> str:
             "",
             f"Bytes each rank sends in matmul-reduce-scatter on bfloat16 x and w, N={n}, by "
             "reduce_dtype (native HLO; expected: N-1 partial-sum blocks of "
-            "xla_permute.matmul.partial_sum_dtype; model: the cost model's charge):",
+            "xla_permute.reference.accumulation_dtype; model: the cost model's charge):",
             "",
             "| program | reduce_dtype | partial sums | sent | expected | model |",
             "|---|---|---|---|---|---|",

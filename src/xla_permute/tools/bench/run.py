@@ -266,14 +266,14 @@ def reduce_dtype_bytes(
     """Bytes each rank sends in matmul-reduce-scatter on bfloat16 inputs, per ``reduce_dtype``.
 
     ``sent``: from the traced native HLO (:func:`account`); ``expected``: ``N-1`` partial-sum
-    blocks of ``m f`` elements of :func:`xla_permute.matmul.partial_sum_dtype`'s dtype;
+    blocks of ``m f`` elements of :func:`xla_permute.reference.accumulation_dtype`'s dtype;
     ``model``: what the cost model charges (:attr:`xla_permute.cost.Workload.block_bytes`,
     from the same rule). The three must agree.
     """
     import torch
 
     from xla_permute import cost
-    from xla_permute.matmul import partial_sum_dtype
+    from xla_permute.reference import accumulation_dtype
 
     out = []
     n = config.n
@@ -282,7 +282,7 @@ def reduce_dtype_bytes(
             continue
         for label in REDUCE_DTYPES:
             reduce_dtype = None if label == "default" else getattr(torch, label)
-            element = partial_sum_dtype(torch.bfloat16, reduce_dtype)
+            element = accumulation_dtype(torch.bfloat16, reduce_dtype)
             work = cost.Workload(
                 m=config.m, k=config.k, n=config.f, n_devices=n, dtype_bytes=2,
                 op="matmul_reduce_scatter",
