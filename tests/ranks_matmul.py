@@ -96,15 +96,21 @@ def matmul_hlo() -> dict[str, Any]:
         for name, bi, chunks in [("mrs", False, 1), ("mrs", True, 1), ("agm", False, 2)]:
             if name == "mrs":  # K=8 > F=2: x read in 4 row slices per block
                 y = xp.matmul_reduce_scatter(
-                    torch.ones(4 * n, 8, device=d), torch.ones(8, 2, device=d), dim=0,
-                    bidirectional=bi, backend="native",
-                )  # fmt: skip
+                    torch.ones(4 * n, 8, device=d),
+                    torch.ones(8, 2, device=d),
+                    dim=0,
+                    bidirectional=bi,
+                    backend="native",
+                )
                 schedule = xp.reduce_scatter_schedule(n, 0, bi)
             else:
                 y = xp.all_gather_matmul(
-                    torch.ones(4, 8, device=d), torch.ones(8, 2, device=d), dim=0,
-                    chunks=chunks, backend="native",
-                )  # fmt: skip
+                    torch.ones(4, 8, device=d),
+                    torch.ones(8, 2, device=d),
+                    dim=0,
+                    chunks=chunks,
+                    backend="native",
+                )
                 schedule = xp.all_gather_schedule(n, 0, bi) * chunks
             prog = xp.hlo.parse(xp.hlo.trace([y]))
             steps = xp.hlo.permute_steps(prog, n, schedule)
@@ -154,8 +160,13 @@ def collectives_roundtrip(xs: torch.Tensor, gs_gather: torch.Tensor, gs_sum: tor
     sum_gradients(c).sum().backward()
     sum_hlo = xp.hlo.trace(c.grad)
     xm.mark_step()
-    return {"gathered": gathered, "scattered": scattered, "dx": x.grad, "db": b.grad,
-            "sum_hlo": sum_hlo}  # fmt: skip
+    return {
+        "gathered": gathered,
+        "scattered": scattered,
+        "dx": x.grad,
+        "db": b.grad,
+        "sum_hlo": sum_hlo,
+    }
 
 
 def mlp_train_step(

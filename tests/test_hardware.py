@@ -315,8 +315,13 @@ def test_collective_signatures_of_the_installed_torch_xla():
     sigs = {s.name: s for s in hardware.collective_signatures()}
     assert sigs["collective_permute"].pin_layout_default is None
     pinned = {name for name, s in sigs.items() if s.pin_layout_default}
-    assert pinned == {"all_reduce", "all_gather", "reduce_scatter", "all_to_all",
-                      "collective_broadcast"}  # fmt: skip
+    assert pinned == {
+        "all_reduce",
+        "all_gather",
+        "reduce_scatter",
+        "all_to_all",
+        "collective_broadcast",
+    }
     assert {n for n, s in sigs.items() if s.takes_channel_id} == {"all_gather", "reduce_scatter"}
 
 

@@ -38,9 +38,15 @@ def run():
             p.copy_(_int_like(p, g))
     x, target = _int_like(torch.empty(B, S, H), g), _int_like(torch.empty(B, S, H), g)
     per_rank = run_on_mesh(
-        mlp_train_step, fc1.state_dict(), fc2.state_dict(), x, target, VARIANTS,
-        LR, n=N,
-    )  # fmt: skip
+        mlp_train_step,
+        fc1.state_dict(),
+        fc2.state_dict(),
+        x,
+        target,
+        VARIANTS,
+        LR,
+        n=N,
+    )
     return fc1, fc2, x, target, per_rank
 
 
@@ -52,12 +58,24 @@ def single_device(fc1, fc2, x, target, activation):
     loss = ((f2(act(f1(x))) - target) ** 2).sum()
     loss.backward()
     grads = {
-        "fc1.weight": f1.weight.grad, "fc1.bias": f1.bias.grad,
-        "fc2.weight": f2.weight.grad, "fc2.bias": f2.bias.grad,
-    }  # fmt: skip
-    return loss.detach(), grads, {k: p.detach() - LR * grads[k] for k, p in
-                                  (("fc1.weight", f1.weight), ("fc1.bias", f1.bias),
-                                   ("fc2.weight", f2.weight), ("fc2.bias", f2.bias))}  # fmt: skip
+        "fc1.weight": f1.weight.grad,
+        "fc1.bias": f1.bias.grad,
+        "fc2.weight": f2.weight.grad,
+        "fc2.bias": f2.bias.grad,
+    }
+    return (
+        loss.detach(),
+        grads,
+        {
+            k: p.detach() - LR * grads[k]
+            for k, p in (
+                ("fc1.weight", f1.weight),
+                ("fc1.bias", f1.bias),
+                ("fc2.weight", f2.weight),
+                ("fc2.bias", f2.bias),
+            )
+        },
+    )
 
 
 def gather_shards(shards, key):

@@ -41,9 +41,16 @@ def make_cases(n):
                     )
                     gs = _ints(*ref(xs, ws, dim).shape, seed=seed + 2000)
                     cases.append(
-                        dict(op=op, bidirectional=bidirectional, dim=dim, xs=xs.to(dtype),
-                             ws=ws.to(dtype), gs=gs.to(dtype), ref=ref)
-                    )  # fmt: skip
+                        dict(
+                            op=op,
+                            bidirectional=bidirectional,
+                            dim=dim,
+                            xs=xs.to(dtype),
+                            ws=ws.to(dtype),
+                            gs=gs.to(dtype),
+                            ref=ref,
+                        )
+                    )
     for op, bidirectional, per_rank, dim, f, chunks, dtype in CHUNKED:
         shape = list(per_rank)
         if op == "mrs":
@@ -53,9 +60,17 @@ def make_cases(n):
         ref = reference.all_gather_matmul if op == "agm" else reference.matmul_reduce_scatter
         gs = _ints(*ref(xs, ws, dim).shape, seed=seed + 2000)
         cases.append(
-            dict(op=op, bidirectional=bidirectional, dim=dim, xs=xs.to(dtype), ws=ws.to(dtype),
-                 gs=gs.to(dtype), ref=ref, chunks=chunks)
-        )  # fmt: skip
+            dict(
+                op=op,
+                bidirectional=bidirectional,
+                dim=dim,
+                xs=xs.to(dtype),
+                ws=ws.to(dtype),
+                gs=gs.to(dtype),
+                ref=ref,
+                chunks=chunks,
+            )
+        )
     return cases
 
 

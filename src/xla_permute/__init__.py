@@ -10,8 +10,10 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Ring attention (context parallelism) and its sequence layouts
+# Ring attention (context parallelism) and its all-gather baseline
 from xla_permute.attention import all_gather_attention, ring_attention
+
+# Collectives: all-gather, reduce-scatter, all-reduce, sums of gradients
 from xla_permute.collectives import (
     all_gather,
     all_reduce,
@@ -25,9 +27,11 @@ from xla_permute.debug import DisagreementError, debug_mode
 
 # The CPU mesh: run a function on every device
 from xla_permute.launch import MeshError, RankError, run_on_mesh
+
+# The tensor-parallel layers on collective matmul
 from xla_permute.layers import ColumnParallelLinear, RowParallelLinear
 
-# Collective matmul and the tensor-parallel layers on it
+# Collective matmul and its baselines
 from xla_permute.matmul import (
     all_gather_matmul,
     all_gather_then_matmul,
@@ -53,8 +57,10 @@ from xla_permute.pairs import (
     ring_pairs,
 )
 
-# Collectives
+# CollectivePermute: checked, differentiable
 from xla_permute.permute import collective_permute
+
+# Pipeline parallelism: its groups, the forward and the training step
 from xla_permute.pipeline import (
     PipelineStep,
     Schedule,
@@ -94,6 +100,9 @@ from xla_permute.shift import shift_pairs, stage_shift
 
 #: Submodules reached as attributes (imported on first use): ``xp.hardware.caveats()``, ...
 _SUBMODULES = ("reference", "hardware", "hlo", "cost", "figures")
+#: ``xp.figures``, as the tutorials draw with it, is the workshop's module (outside the library,
+#: which never imports it): reached here by name on first use only.
+_WORKSHOP = {"figures": "xla_permute_tools.figures"}
 #: Submodules that need an optional dependency, and the extra that installs it.
 _EXTRAS = {"figures": ("matplotlib", "figures")}
 
@@ -102,13 +111,13 @@ def __getattr__(name: str) -> Any:
     if name not in _SUBMODULES:
         raise AttributeError(f"module 'xla_permute' has no attribute {name!r}")
     try:
-        module = importlib.import_module(f"xla_permute.{name}")
+        module = importlib.import_module(_WORKSHOP.get(name, f"xla_permute.{name}"))
     except ModuleNotFoundError as e:
         need = _EXTRAS.get(name)
         if need is None or (e.name or "").partition(".")[0] != need[0]:
             raise
         raise ModuleNotFoundError(
-            f"xla_permute.{name} needs {need[0]}, which is not installed: "
+            f"xp.{name} needs {need[0]}, which is not installed: "
             f"pip install 'xla-permute[{need[1]}]'",
             name=need[0],
         ) from e

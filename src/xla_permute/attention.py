@@ -192,8 +192,9 @@ def _ring_backward(
         mine = _block_grads(q, kv, lse, dout, delta, dq, own, hop, size, plan)
         if n > 1:
             received = sent.wait()
-            kv, arrived = (received[:2], received[2:] if i else None) if i < n - 1 else (
-                kv, received)  # fmt: skip
+            kv, arrived = (
+                (received[:2], received[2:] if i else None) if i < n - 1 else (kv, received)
+            )
     home = _plus(arrived, mine, kv)
     dkv = plan.send(home).wait() if n > 1 else home  # the last permute: home to the owner
     grad_q = torch.cat([torch.zeros_like(q[:, :, :, :size]) if d is None else d for d in dq], 3)
@@ -263,9 +264,14 @@ class _RingAttention(torch.autograd.Function):
         hkv = k.shape[1]
         grouped = (b, hkv, hq // hkv, s, d)
         dq, dk, dv = _ring_backward(
-            q.reshape(grouped).to(plan.acc), k.to(plan.acc), v.to(plan.acc), out, lse,
-            grad.reshape(grouped).to(plan.acc), plan,
-        )  # fmt: skip
+            q.reshape(grouped).to(plan.acc),
+            k.to(plan.acc),
+            v.to(plan.acc),
+            out,
+            lse,
+            grad.reshape(grouped).to(plan.acc),
+            plan,
+        )
         return dq.reshape(b, hq, s, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 

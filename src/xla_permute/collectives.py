@@ -10,7 +10,7 @@ They build the baselines that collective matmul is compared with. ``groups``: re
 of equal size (:func:`~xla_permute.pairs.check_groups`); a group gathers (and scatters) in the
 order it lists its ranks. ``None``: one group of all ranks.
 
-The sum over a group (one implementation, :func:`_sum`, behind :func:`all_reduce`,
+The sum over a group (one implementation, ``_sum``, behind :func:`all_reduce`,
 :func:`all_reduce_gradients` and the backward of :func:`sum_gradients`): ``xm.all_reduce``
 carries no channel id and aborts the CPU mesh, so the sum is built from the two collectives that
 run everywhere: a reduce-scatter of the flattened tensor (each rank sums one block) and an
@@ -222,8 +222,11 @@ def all_reduce(x: torch.Tensor, *, groups: Groups = None, backend: str = "auto")
     """
     chosen = check_tensor(x, "x", backend)
     checked = check_groups(groups, chosen.world_size())
-    fields = {"x.shape": tuple(x.shape), "x.dtype": str(x.dtype),
-              "groups": [list(g) for g in checked]}  # fmt: skip
+    fields = {
+        "x.shape": tuple(x.shape),
+        "x.dtype": str(x.dtype),
+        "groups": [list(g) for g in checked],
+    }
     _agree("all_reduce", fields, x, chosen)
     if x.numel() == 0 or len(checked[0]) == 1:
         return x.clone()
@@ -268,8 +271,9 @@ def all_reduce_gradients(
                 f"all_reduce_gradients: gradients on {grads[0].device} and {g.device}; "
                 f"move the module to one device (its rank's) first"
             )
-    described = [None if p.grad is None else (tuple(p.grad.shape), str(p.grad.dtype))
-                 for p in params]  # fmt: skip
+    described = [
+        None if p.grad is None else (tuple(p.grad.shape), str(p.grad.dtype)) for p in params
+    ]
     fields = {"gradients": repr(described), "groups": [list(g) for g in checked]}
     _agree("all_reduce_gradients", fields, grads[0], chosen)
     if len(checked[0]) == 1:

@@ -230,8 +230,7 @@ class _ParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> Self:
         """This rank's shard of a full ``nn.Linear`` (together, the same result as it)."""
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    **kwargs)  # fmt: skip
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kwargs)
         axis = 0 if cls._sharded == "out" else 1
         with torch.no_grad():
             layer.weight.copy_(linear.weight.chunk(layer.world_size, axis)[layer.rank])

@@ -202,9 +202,15 @@ def all_gather_matmul(
     dim = _check(x, ws, dim, "all_gather_matmul", False, ring_.size, ring_.backend)
     _check_chunks(chunks, x, dim)
     _agree(
-        "all_gather_matmul", x, ws, dim, ring_,
-        bidirectional=bool(bidirectional), backend=ring_.backend.name, chunks=chunks,
-    )  # fmt: skip
+        "all_gather_matmul",
+        x,
+        ws,
+        dim,
+        ring_,
+        bidirectional=bool(bidirectional),
+        backend=ring_.backend.name,
+        chunks=chunks,
+    )
     n = ring_.size
     if _empty_or_single(x, ws, ring_):
         ys = tuple(torch.cat([x @ wi] * n, dim) if n > 1 else x @ wi for wi in ws)
@@ -250,9 +256,15 @@ def matmul_reduce_scatter(
     dim = _check(x, [w], dim, "matmul_reduce_scatter", True, ring_.size, ring_.backend)
     acc = accumulation_dtype(x.dtype, reduce_dtype)
     _agree(
-        "matmul_reduce_scatter", x, [w], dim, ring_,
-        bidirectional=bool(bidirectional), reduce_dtype=acc, backend=ring_.backend.name,
-    )  # fmt: skip
+        "matmul_reduce_scatter",
+        x,
+        [w],
+        dim,
+        ring_,
+        bidirectional=bool(bidirectional),
+        reduce_dtype=acc,
+        backend=ring_.backend.name,
+    )
     if _empty_or_single(x, [w], ring_):
         return _block(x @ w, ring_.position, ring_.size, dim)
     ring_.check(acc)

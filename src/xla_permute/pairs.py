@@ -25,8 +25,6 @@ from typing import NamedTuple
 
 __all__ = [
     "Decomposition",
-    "Groups",
-    "GroupsLike",
     "PairsLike",
     "check_dim",
     "check_groups",
@@ -44,9 +42,9 @@ __all__ = [
 Pair = tuple[int, int]
 Pairs = tuple[Pair, ...]
 PairsLike = Iterable[Sequence[int]]
-#: Replica groups as checked (:func:`check_groups`): a tuple of rank tuples.
+# Replica groups as checked (check_groups): a tuple of rank tuples.
 Groups = tuple[tuple[int, ...], ...]
-#: Replica groups as the ops take them: lists of ranks, or None for one group of all ranks.
+# Replica groups as the ops take them: lists of ranks, or None for one group of all ranks.
 GroupsLike = Sequence[Sequence[int]] | None
 
 
@@ -86,8 +84,7 @@ def check_dim(dim: object, shape: Sequence[int], what: str = "x", op: str = "") 
     2
     """
     prefix = f"{op}: " if op else ""
-    if isinstance(dim, bool) or not isinstance(dim, int):
-        raise TypeError(f"{prefix}dim must be an int, got {dim!r} ({type(dim).__name__})")
+    dim = check_int(dim, f"{prefix}dim")
     ndim = len(shape)
     if not -ndim <= dim < ndim:
         raise ValueError(

@@ -1,4 +1,5 @@
-"""Ring schedules of collective matmul, as data: which block each rank works on at each step.
+"""Ring schedules of collective matmul and ring attention, as data: what each rank works on at
+each step.
 
 The matmul code in :mod:`xla_permute.matmul` iterates over these schedules, and the docs draw
 them, so the figure is the schedule that runs.

@@ -180,8 +180,16 @@ def attention_crossover_table(
             ring = ring_attention_time(chip, w).total
             ag = all_gather_attention_time(chip, w).total
             winner = "ring" if ring < ag else "all-gather"
-            rows.append(dict(degree=n, seq_len=s, ring_s=ring, all_gather_s=ag,
-                             speedup=ag / ring, winner=winner))  # fmt: skip
+            rows.append(
+                dict(
+                    degree=n,
+                    seq_len=s,
+                    ring_s=ring,
+                    all_gather_s=ag,
+                    speedup=ag / ring,
+                    winner=winner,
+                )
+            )
     return rows
 
 
@@ -202,13 +210,25 @@ def published_attention_checks() -> list[dict[str, object]]:
         w = AttentionWorkload(seq_len=8 * 8192, n_devices=8, layout=layout)
         ideal = _pair_time(h800, w, sum(map(sum, _work(w)))) / 8
         share = ideal / ring_attention_time(h800, w).total
-        rows.append(dict(source="ring-flash-attention README, 8x H800", case=f"{layout} ring",
-                         published=published, model=share,
-                         reproduced=abs(share - published) < 0.05))  # fmt: skip
+        rows.append(
+            dict(
+                source="ring-flash-attention README, 8x H800",
+                case=f"{layout} ring",
+                published=published,
+                model=share,
+                reproduced=abs(share - published) < 0.05,
+            )
+        )
     v5p = CHIPS["tpu-v5p"]
     w = AttentionWorkload(seq_len=32768, n_devices=16, q_heads=32, kv_heads=32)
     ratio = ring_attention_time(v5p, w).total / all_gather_attention_time(v5p, w).total
-    rows.append(dict(source="MaxText #4687, v5p-128, CP=16, 32K",
-                     case="ring / all-gather step time", published=0.529 / 0.285, model=ratio,
-                     reproduced=ratio > 1))  # fmt: skip
+    rows.append(
+        dict(
+            source="MaxText #4687, v5p-128, CP=16, 32K",
+            case="ring / all-gather step time",
+            published=0.529 / 0.285,
+            model=ratio,
+            reproduced=ratio > 1,
+        )
+    )
     return rows

@@ -1,7 +1,7 @@
 """Roofline model of collective matmul and its baselines: when does the ring pay, per chip?
 
 Nothing here runs on a device: it is arithmetic on published chip figures, checked against
-published measurements by :func:`~xla_permute.cost.validation_table`.
+published measurements by :func:`~xla_permute_tools.validation.validation_table`.
 
 **Shapes.** A :class:`~xla_permute.cost.Workload` is what one rank holds. For
 all-gather-matmul, x is an ``m x k`` shard (the gathered operand, gathered along rows) and w a

@@ -12,8 +12,13 @@ from xla_permute.cost.model import Workload, predict
 
 __all__ = ["choose_strategy", "detected_chip"]
 
-_TPU_CHIPS = {"v4": "tpu-v4", "v5litepod": "tpu-v5e", "v5e": "tpu-v5e", "v5p": "tpu-v5p",
-              "v6e": "tpu-v6e"}  # fmt: skip
+_TPU_CHIPS = {
+    "v4": "tpu-v4",
+    "v5litepod": "tpu-v5e",
+    "v5e": "tpu-v5e",
+    "v5p": "tpu-v5p",
+    "v6e": "tpu-v6e",
+}
 
 
 def detected_chip() -> str | None:

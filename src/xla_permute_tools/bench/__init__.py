@@ -62,10 +62,10 @@ reports), ``run`` (the launches, :func:`run_bench`), ``report`` (ratios, checks,
 
 from __future__ import annotations
 
-from xla_permute.tools.bench.cli import add_arguments, config_from_args, run_from_args
-from xla_permute.tools.bench.programs import PRESETS, PROGRAMS, BenchConfig, BenchProgram
-from xla_permute.tools.bench.report import format_report
-from xla_permute.tools.bench.run import run_bench
+from xla_permute_tools.bench.cli import add_arguments, config_from_args, run_from_args
+from xla_permute_tools.bench.programs import PRESETS, PROGRAMS, BenchConfig, BenchProgram
+from xla_permute_tools.bench.report import format_report
+from xla_permute_tools.bench.run import run_bench
 
 __all__ = [
     "PRESETS",
