@@ -14,7 +14,7 @@ width (420 px), and fails when, on any page:
   slashes, and a table too wide for the column scrolls in its own container;
 * the page is wider than a 420 px viewport (the reader would scroll sideways);
 * a figure's smallest text is under 9 pt (12 CSS px) at 1400 px; figures made with
-  :func:`xla_permute.figures.new_figure` record their smallest text in the PNG, and a figure
+  :func:`xla_permute_tools.figures.new_figure` record their smallest text in the PNG, and a figure
   that does not is reported too;
 * a tutorial or reference page lacks the previous/next links or the page's table of contents;
 
@@ -46,7 +46,7 @@ from urllib.parse import unquote, urlparse
 WIDE, NARROW, HEIGHT = 1400, 420, 1000
 #: The smallest text a figure may show at page width: 9 pt = 12 CSS px.
 MIN_FIGURE_TEXT_PX = 12.0
-#: The PNG text key where xla_permute.figures records the figure's smallest text, in pixels.
+#: The PNG text key where xla_permute_tools.figures records the figure's smallest text, in pixels.
 FONT_KEY = "xla-permute smallest text px"
 #: The tallest PNG one capture makes; taller pages are saved as several files.
 TILE = 12000
@@ -163,8 +163,14 @@ def _driver():
     from selenium.webdriver.chrome.service import Service
 
     options = webdriver.ChromeOptions()
-    for arg in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
-                f"--window-size={WIDE},{HEIGHT}", "--hide-scrollbars"):  # fmt: skip
+    for arg in (
+        "--headless=new",
+        "--no-sandbox",
+        "--disable-gpu",
+        "--disable-dev-shm-usage",
+        f"--window-size={WIDE},{HEIGHT}",
+        "--hide-scrollbars",
+    ):
         options.add_argument(arg)
     options.binary_location = "/usr/bin/chromium"
     return webdriver.Chrome(service=Service("/usr/bin/chromedriver"), options=options)
@@ -326,15 +332,18 @@ def check_search(driver, root: Path, term: str = "collective_permute") -> list[s
 def pages(root: Path) -> list[Path]:
     skip = {"search.html", "genindex.html", "py-modindex.html"}
     return sorted(
-        p for p in root.rglob("*.html")
-        if p.name not in skip and "_modules" not in p.parts and "_static" not in p.parts
+        p
+        for p in root.rglob("*.html")
+        if p.name not in skip
+        and "_modules" not in p.parts
+        and "_static" not in p.parts
         and "_sources" not in p.parts
-    )  # fmt: skip
+    )
 
 
 def _small_text_figure() -> str:
-    """A figure from xla_permute.figures with 6 pt text, shown at its natural size."""
-    from xla_permute.figures import new_figure
+    """A figure from xla_permute_tools.figures with 6 pt text, shown at its natural size."""
+    from xla_permute_tools.figures import new_figure
 
     fig = new_figure(figsize=(3, 1))
     fig.text(0.5, 0.5, "six-point text", fontsize=6)
@@ -377,7 +386,7 @@ def self_test(driver) -> list[str]:
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, (body, expected) in _BAD_PAGES.items():
-            if body is None:  # the figure: a real PNG from xla_permute.figures
+            if body is None:  # the figure: a real PNG from xla_permute_tools.figures
                 png = Path(tmp, "small.png")
                 png.write_bytes(base64.b64decode(_small_text_figure()))
                 body = f"<div class='cell_output'><img src='{png.name}'></div>"
@@ -393,9 +402,13 @@ def self_test(driver) -> list[str]:
                 _set_width(driver, WIDE)
                 driver.get(page.as_uri())
                 shot = driver.execute_cdp_cmd(
-                    "Page.captureScreenshot", {"format": "png", "captureBeyondViewport": True,
-                    "clip": {"x": 0, "y": 0, "width": WIDE, "height": 16000, "scale": 1}},
-                )  # fmt: skip
+                    "Page.captureScreenshot",
+                    {
+                        "format": "png",
+                        "captureBeyondViewport": True,
+                        "clip": {"x": 0, "y": 0, "width": WIDE, "height": 16000, "scale": 1},
+                    },
+                )
                 Path(shots, "tall.png").write_bytes(base64.b64decode(shot["data"]))
                 height = driver.execute_script("return document.documentElement.scrollHeight")
                 problems = screenshot_problems(Path(shots, "tall.png"), height)

@@ -150,8 +150,7 @@ def _pipeline_case(stages: int | None):
 
         def op(m, r, n):
             position = r % (stages or n)
-            return (xp.pipeline_forward(lambda x: x * (position + 2) + 1, m["x"],
-                                        stages=stages),)  # fmt: skip
+            return (xp.pipeline_forward(lambda x: x * (position + 2) + 1, m["x"], stages=stages),)
 
         def chain(x):  # rank-stacked: the last stage gets every stage applied to x[0]
             y = x[0]
@@ -270,8 +269,10 @@ def _mrs_case(bi: bool, dtype: torch.dtype, reduce_dtype, grouped: bool, base: b
     @case(name)
     def _():
         def inputs(n):
-            return {"x": ints(n, 2, 2 * n, 6, seed=8, dtype=dtype),
-                    "w": ints(n, 6, 5, seed=9, dtype=dtype)}  # fmt: skip
+            return {
+                "x": ints(n, 2, 2 * n, 6, seed=8, dtype=dtype),
+                "w": ints(n, 6, 5, seed=9, dtype=dtype),
+            }
 
         def op(m, r, n):
             groups = groups_for(n) if grouped else None
@@ -318,11 +319,16 @@ def _attention_case(causal: bool, layout: str, grouped: bool = False, base: bool
     def _():
         def inputs(n):
             s = 4 * n
-            full = {"q": randn(2, 4, s, 8, seed=10), "k": randn(2, 2, s, 8, seed=11),
-                    "v": randn(2, 2, s, 8, seed=12)}  # fmt: skip
+            full = {
+                "q": randn(2, 4, s, 8, seed=10),
+                "k": randn(2, 2, s, 8, seed=11),
+                "v": randn(2, 2, s, 8, seed=12),
+            }
             if grouped:  # each group its own sequence: two halves of a batch of 4
-                return {t: torch.cat([xp.shard_sequence(x, dim=2, n=2, layout=layout)] * (n // 2))
-                        for t, x in full.items()}  # fmt: skip
+                return {
+                    t: torch.cat([xp.shard_sequence(x, dim=2, n=2, layout=layout)] * (n // 2))
+                    for t, x in full.items()
+                }
             return {t: xp.shard_sequence(x, dim=2, n=n, layout=layout) for t, x in full.items()}
 
         def op(m, r, n):
@@ -334,8 +340,15 @@ def _attention_case(causal: bool, layout: str, grouped: bool = False, base: bool
 
         def ref_(s, n):
             if grouped:
-                return (per_group(lambda q, k, v: _sdpa_sharded(q, k, v, 2, causal, layout),
-                                  [[0, 1], [2, 3]], s["q"], s["k"], s["v"]),)  # fmt: skip
+                return (
+                    per_group(
+                        lambda q, k, v: _sdpa_sharded(q, k, v, 2, causal, layout),
+                        [[0, 1], [2, 3]],
+                        s["q"],
+                        s["k"],
+                        s["v"],
+                    ),
+                )
             return (_sdpa_sharded(s["q"], s["k"], s["v"], n, causal, layout),)
 
         return inputs, op, ref_

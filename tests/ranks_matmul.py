@@ -94,17 +94,23 @@ def matmul_hlo() -> dict[str, Any]:
     out = {}
     with xp.hlo.tracing():
         for name, bi, chunks in [("mrs", False, 1), ("mrs", True, 1), ("agm", False, 2)]:
-            if name == "mrs":  # K=8 > F=2: x read in 4 row chunks per block
+            if name == "mrs":  # K=8 > F=2: x read in 4 row slices per block
                 y = xp.matmul_reduce_scatter(
-                    torch.ones(4 * n, 8, device=d), torch.ones(8, 2, device=d), dim=0,
-                    bidirectional=bi, backend="native",
-                )  # fmt: skip
+                    torch.ones(4 * n, 8, device=d),
+                    torch.ones(8, 2, device=d),
+                    dim=0,
+                    bidirectional=bi,
+                    backend="native",
+                )
                 schedule = xp.reduce_scatter_schedule(n, 0, bi)
             else:
                 y = xp.all_gather_matmul(
-                    torch.ones(4, 8, device=d), torch.ones(8, 2, device=d), dim=0,
-                    chunks=chunks, backend="native",
-                )  # fmt: skip
+                    torch.ones(4, 8, device=d),
+                    torch.ones(8, 2, device=d),
+                    dim=0,
+                    chunks=chunks,
+                    backend="native",
+                )
                 schedule = xp.all_gather_schedule(n, 0, bi) * chunks
             prog = xp.hlo.parse(xp.hlo.trace([y]))
             steps = xp.hlo.permute_steps(prog, n, schedule)
@@ -139,6 +145,7 @@ def collectives_roundtrip(xs: torch.Tensor, gs_gather: torch.Tensor, gs_sum: tor
     import torch_xla.core.xla_model as xm
     import torch_xla.runtime as xr
 
+    import xla_permute as xp
     from xla_permute.collectives import all_gather, reduce_scatter, sum_gradients
 
     rank, d = xr.global_ordinal(), torch_xla.device()
@@ -149,7 +156,17 @@ def collectives_roundtrip(xs: torch.Tensor, gs_gather: torch.Tensor, gs_sum: tor
     loss = (gathered * gs_gather[rank].to(d)).sum() + (scattered * gs_sum[rank].to(d)).sum()
     (loss + (sum_gradients(b) * (rank + 1)).sum()).backward()
     xm.mark_step()
-    return {"gathered": gathered, "scattered": scattered, "dx": x.grad, "db": b.grad}
+    c = torch.ones(3, device=d).requires_grad_()  # sum_gradients' backward alone, for its HLO
+    sum_gradients(c).sum().backward()
+    sum_hlo = xp.hlo.trace(c.grad)
+    xm.mark_step()
+    return {
+        "gathered": gathered,
+        "scattered": scattered,
+        "dx": x.grad,
+        "db": b.grad,
+        "sum_hlo": sum_hlo,
+    }
 
 
 def mlp_train_step(

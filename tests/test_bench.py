@@ -16,11 +16,11 @@ import pytest
 from xla_permute import RankError, run_on_mesh
 from xla_permute.__main__ import main
 from xla_permute.debug import ENV as DEBUG_ENV
-from xla_permute.tools import bench
-from xla_permute.tools.bench import PRESETS, PROGRAMS, BenchConfig, BenchProgram
-from xla_permute.tools.bench.measure import bench_rank, memory_rank, read_memory_report
-from xla_permute.tools.bench.programs import MEMORY_PROGRAMS
-from xla_permute.tools.bench.run import account, memory_flags
+from xla_permute_tools import bench
+from xla_permute_tools.bench import PRESETS, PROGRAMS, BenchConfig, BenchProgram
+from xla_permute_tools.bench.measure import bench_rank, memory_rank, read_memory_report
+from xla_permute_tools.bench.programs import MEMORY_PROGRAMS
+from xla_permute_tools.bench.run import account, memory_flags
 
 TINY = PRESETS["tiny"]
 SMOKE = BenchConfig(**{**vars(TINY), "scaling_n": 0})  # N=8 below, on the programs judged
@@ -145,8 +145,9 @@ def test_rings_at_their_memory_floor(smoke):
             ratio = at[n][name]["token"]["input"]
             base = peaks[name.split("/")[0] + "/baseline"]["token"]["input"]
             assert ratio == max(peaks[name]["token"]["input"]) / max(base) <= 1.0
-            assert checks[f"{name} at N={n}: peak memory <= 1.0x the baseline's (token on, x "
-                          "an input)"]["ok"]  # fmt: skip
+            assert checks[
+                f"{name} at N={n}: peak memory <= 1.0x the baseline's (token on, x an input)"
+            ]["ok"]
         ring = "all_gather_matmul/uni"
         want = [n - 1, 2 * (n - 1), 4 * (n - 1)]
         assert [permutes[ring + c] for c in ("", "/c2", "/c4")] == want
@@ -166,9 +167,14 @@ def test_rings_at_their_memory_floor_on_8_devices(tmp_path):
     same compile (memory_rank, token on), the same figure (largest rank over largest rank),
     for x a program input (what they judge)."""
     per_rank = run_on_mesh(
-        memory_rank, N8_PROGRAMS, vars_of(TINY), str(tmp_path), ("input",), n=8,
+        memory_rank,
+        N8_PROGRAMS,
+        vars_of(TINY),
+        str(tmp_path),
+        ("input",),
+        n=8,
         env={"XLA_FLAGS": memory_flags(str(tmp_path)), DEBUG_ENV: "0"},
-    )  # fmt: skip
+    )
     assert all(key.endswith("|input") for key in per_rank[0]["memory"])
     memory = [r["memory"] for r in per_rank]
     peak = {p.name: max(m[f"{p.name}|input"]["bytes"] for m in memory) for p in N8_PROGRAMS}
@@ -183,23 +189,39 @@ def test_rings_at_their_memory_floor_on_8_devices(tmp_path):
 
 def test_memory_rank_refuses_an_unknown_x_mode(tmp_path):
     with pytest.raises(RankError, match=r"modes: \['output'\] are not x modes"):
-        run_on_mesh(memory_rank, N8_PROGRAMS, vars_of(TINY), str(tmp_path), ("output",), n=2,
-                    env={"XLA_FLAGS": memory_flags(str(tmp_path)), DEBUG_ENV: "0"})  # fmt: skip
+        run_on_mesh(
+            memory_rank,
+            N8_PROGRAMS,
+            vars_of(TINY),
+            str(tmp_path),
+            ("output",),
+            n=2,
+            env={"XLA_FLAGS": memory_flags(str(tmp_path)), DEBUG_ENV: "0"},
+        )
 
 
 def test_memory_does_not_depend_on_llvm_optimisation(tmp_path, monkeypatch):
     """The memory launches turn LLVM's optimizer off (memory_flags): the peaks are those of
     XLA's default level, rank by rank."""
-    programs = [BenchProgram("matmul_reduce_scatter", "uni"), BenchProgram("all_gather_matmul",
-                "bi"), BenchProgram("all_gather_matmul", "uni", chunks=2)]  # fmt: skip
+    programs = [
+        BenchProgram("matmul_reduce_scatter", "uni"),
+        BenchProgram("all_gather_matmul", "bi"),
+        BenchProgram("all_gather_matmul", "uni", chunks=2),
+    ]
     peaks = []
     for level in ("", "--xla_backend_optimization_level=3"):  # 3: XLA's default
         monkeypatch.setenv("XLA_FLAGS", level)
         dump = tmp_path / f"level{len(peaks)}"
         dump.mkdir()
         flags = memory_flags(str(dump)) if level == "" else f"{level} --xla_dump_to={dump}"
-        out = run_on_mesh(memory_rank, programs, vars_of(TINY), str(dump), n=2,
-                          env={"XLA_FLAGS": flags, DEBUG_ENV: "0"})  # fmt: skip
+        out = run_on_mesh(
+            memory_rank,
+            programs,
+            vars_of(TINY),
+            str(dump),
+            n=2,
+            env={"XLA_FLAGS": flags, DEBUG_ENV: "0"},
+        )
         peaks.append([{k: v["bytes"] for k, v in r["memory"].items()} for r in out])
     assert peaks[0] == peaks[1] and len(peaks[0][0]) == 2 * len(programs)
 
@@ -207,10 +229,13 @@ def test_memory_does_not_depend_on_llvm_optimisation(tmp_path, monkeypatch):
 def test_trace_and_compile_at_a_second_mesh_size():
     """The bench's second mesh size (``scaling_n``, 8 by default): rank 0 traces and compiles
     the native programs; each sends what its baseline sends, N-1 blocks."""
-    out = run_on_mesh(bench_rank, PROGRAMS, vars_of(TINY), run=False, native=True, n=8,
-                      env={DEBUG_ENV: "0"})[0]  # fmt: skip
-    block = {"all_gather_matmul": TINY.m * TINY.k * F32, "matmul_reduce_scatter": TINY.m *
-             TINY.f * F32}  # fmt: skip
+    out = run_on_mesh(
+        bench_rank, PROGRAMS, vars_of(TINY), run=False, native=True, n=8, env={DEBUG_ENV: "0"}
+    )[0]
+    block = {
+        "all_gather_matmul": TINY.m * TINY.k * F32,
+        "matmul_reduce_scatter": TINY.m * TINY.f * F32,
+    }
     for p in PROGRAMS:
         assert min(out["trace_s"][p.name]) > 0 and min(out["compile_s"][p.name]) > 0
         assert account(p, out["hlo"][p.name], 8).total == 7 * block[p.op], p.name
@@ -218,7 +243,7 @@ def test_trace_and_compile_at_a_second_mesh_size():
 
 def test_partial_sum_bytes_follow_reduce_dtype(smoke):
     # bfloat16 inputs: float32 partial sums by default, half of that with reduce_dtype=bf16;
-    # the traced HLO, partial_sum_dtype and the cost model agree (one source of truth).
+    # the traced HLO, accumulation_dtype and the cost model agree (one source of truth).
     _, result, _, _ = smoke
     got = {(r["name"], r["reduce_dtype"]): r for r in result["reduce_dtype_bytes"]}
     block = TINY.m * TINY.f

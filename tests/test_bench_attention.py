@@ -1,6 +1,6 @@
 """The attention bench on a small shape: ring vs all-gather bytes and peak memory, N=2."""
 
-from xla_permute.tools.bench.attention import format_attention_report, run_attention_bench
+from xla_permute_tools.bench.attention import format_attention_report, run_attention_bench
 
 
 def test_ring_sends_the_same_forward_bytes_and_holds_less():

@@ -12,8 +12,8 @@ import argparse
 import pytest
 
 from xla_permute import SCHEDULES, make_schedule
-from xla_permute.tools.bench import add_arguments
-from xla_permute.tools.bench.pipeline import (
+from xla_permute_tools.bench import add_arguments
+from xla_permute_tools.bench.pipeline import (
     STAGES_PER_RANK,
     PipelineBenchConfig,
     config_with,

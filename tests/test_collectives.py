@@ -3,7 +3,7 @@
 import ranks_matmul
 import torch
 
-from xla_permute import reference, run_on_mesh
+from xla_permute import hlo, reference, run_on_mesh
 
 N = 2
 
@@ -22,5 +22,8 @@ def test_collectives_forward_and_backward():
     for name, want in (("gathered", gathered), ("scattered", scattered), ("dx", x.grad)):
         assert torch.equal(torch.stack([o[name] for o in out]), want), name
     # sum_gradients: rank r's loss uses b with weight r+1; every rank gets the sum 1+..+N.
+    # Its backward is the group sum of all_reduce: a reduce-scatter, then an all-gather.
     for o in out:
         assert torch.equal(o["db"], torch.full((3,), float(N * (N + 1) // 2)))
+        kinds = [c.kind for c in hlo.parse(o["sum_hlo"]).collectives()]
+        assert kinds == ["reduce-scatter", "all-gather"], kinds

@@ -10,6 +10,7 @@ import pytest
 from xla_permute import cost
 from xla_permute.cost import CHIPS, Workload
 from xla_permute.cost.chips import _FIGURES
+from xla_permute_tools import validation
 
 TORUS = ["tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "trn1", "trn2"]
 
@@ -53,8 +54,11 @@ def test_unpublished_trainium_figures_are_marked_as_assumptions():
 def test_h100_peak_agrees_with_the_published_utilisation_column():
     # JAX Pallas MGPU table: time and tensor-core utilisation imply the peak the doc used.
     flops = 2 * 1024 * 4096 * 4096
-    table = {2: [(102, 0.68), (92, 0.75), (147, 0.47)], 4: [(212, 0.66), (190, 0.73)],
-             8: [(436, 0.64), (386, 0.72), (565, 0.49)]}  # fmt: skip
+    table = {
+        2: [(102, 0.68), (92, 0.75), (147, 0.47)],
+        4: [(212, 0.66), (190, 0.73)],
+        8: [(436, 0.64), (386, 0.72), (565, 0.49)],
+    }
     for n, cells in table.items():
         for t_us, util in cells:
             implied = n * flops / (t_us * 1e-6) / util
@@ -73,7 +77,7 @@ def test_chip_without_a_citation_is_rejected():
     [
         ({"m": 0}, ValueError, "m must be a positive number"),
         ({"k": -1}, ValueError, "k must be a positive number"),
-        ({"n_devices": 0}, ValueError, "n_devices must be >= 1"),
+        ({"n_devices": 0}, ValueError, "n_devices must be an int >= 1"),
         ({"n_devices": 2.0}, TypeError, "n_devices must be an int"),
         ({"op": "all_reduce"}, ValueError, "op must be one of"),
     ],
@@ -177,8 +181,9 @@ def test_reduce_scatter_is_the_time_reverse_of_all_gather():
     chip = CHIPS["trn1"]
     for method in ("baseline", "uni", "bi"):
         ag = cost.predict(chip, Workload(m=512, k=2048, n=2048, n_devices=6), method)
-        rs = Workload(m=512, k=2048, n=2048, n_devices=6, op="matmul_reduce_scatter",
-                      reduce_dtype_bytes=2)  # fmt: skip
+        rs = Workload(
+            m=512, k=2048, n=2048, n_devices=6, op="matmul_reduce_scatter", reduce_dtype_bytes=2
+        )
         assert cost.predict(chip, rs, method) == ag
     # What travels differs: x blocks (m x k) versus partial sums (m x n), float32 by default.
     rs_narrow = Workload(m=512, k=2048, n=64, n_devices=6, op="matmul_reduce_scatter")
@@ -188,22 +193,36 @@ def test_reduce_scatter_is_the_time_reverse_of_all_gather():
 
 @pytest.mark.parametrize(
     "dtype, reduce_dtype",
-    [("bfloat16", None), ("float16", None), ("bfloat16", "bfloat16"), ("float32", None),
-     ("float32", "float64"), ("float64", None), ("bfloat16", "float32")],
-)  # fmt: skip
+    [
+        ("bfloat16", None),
+        ("float16", None),
+        ("bfloat16", "bfloat16"),
+        ("float32", None),
+        ("float32", "float64"),
+        ("float64", None),
+        ("bfloat16", "float32"),
+    ],
+)
 def test_partial_sum_bytes_are_what_the_code_sends(dtype, reduce_dtype):
     # One source of truth: the model's bytes per partial sum come from the code's own rule.
     import torch
 
-    from xla_permute.matmul import partial_sum_dtype
+    from xla_permute.reference import accumulation_dtype
 
     dt = getattr(torch, dtype)
     rd = None if reduce_dtype is None else getattr(torch, reduce_dtype)
-    sent = partial_sum_dtype(dt, rd).itemsize
+    sent = accumulation_dtype(dt, rd).itemsize
     rd_bytes = None if rd is None else rd.itemsize
     assert cost.partial_sum_bytes(dt.itemsize, rd_bytes) == sent
-    work = Workload(m=8, k=4, n=16, n_devices=4, dtype_bytes=dt.itemsize,
-                    op="matmul_reduce_scatter", reduce_dtype_bytes=rd_bytes)  # fmt: skip
+    work = Workload(
+        m=8,
+        k=4,
+        n=16,
+        n_devices=4,
+        dtype_bytes=dt.itemsize,
+        op="matmul_reduce_scatter",
+        reduce_dtype_bytes=rd_bytes,
+    )
     assert work.block_bytes == 8 * 16 * sent
     assert cost.partial_sum_bytes(2) == 4  # bf16 partial sums travel as float32 by default
     with pytest.raises(ValueError, match="reduce_dtype_bytes must be one of"):
@@ -280,7 +299,7 @@ def test_crossover_table_covers_every_chip():
 
 
 def test_validation_table_rows_come_from_the_model():
-    rows = cost.validation_table()
+    rows = validation.validation_table()
     cases = [(r.source, r.case) for r in rows]
     assert len(rows) == 14 and len(set(cases)) == 14
     book = {r.case: r for r in rows if r.source == "scaling book"}
@@ -304,12 +323,12 @@ def test_validation_table_rows_come_from_the_model():
         assert r.ratio == r.predicted_us / r.published_us
         if r.kind in ("fit", "identity"):
             assert r.ratio == pytest.approx(1.0)
-    markdown = cost.format_validation_table(rows)
+    markdown = validation.format_validation_table(rows)
     assert markdown.count("\n") == len(rows) + 1
 
 
 def test_h100_lower_bound_is_the_docs_formula():
-    for r in cost.validation_table():
+    for r in validation.validation_table():
         if r.case.startswith("lower bound"):
             n = int(r.case.split(", ")[1].split()[0])
             assert r.predicted_us == pytest.approx(n * 43 + (n - 1) * 6, abs=0.01)
@@ -330,7 +349,7 @@ WITHIN_20 = [
 
 @pytest.mark.parametrize("source, case", WITHIN_20)
 def test_prediction_within_20_percent(source, case):
-    (row,) = [r for r in cost.validation_table() if (r.source, r.case) == (source, case)]
+    (row,) = [r for r in validation.validation_table() if (r.source, r.case) == (source, case)]
     assert row.kind == "prediction"
     assert 0.8 <= row.ratio <= 1.2, row
 
@@ -339,18 +358,20 @@ def test_nccl_two_gpus_is_underpredicted_within_30_percent():
     # The model assumes NCCL moves 8 MiB at the 450 GB/s link peak (18.6 us + 6 us); the
     # published 147 us minus 2 x 43 us of matmul leaves ~61 us, about 137 GB/s. The scaling
     # book's GPU chapter reports NCCL far below link peak at these message sizes. Not tuned.
-    (row,) = [r for r in cost.validation_table() if r.case == "NCCL all-gather + cuBLAS, 2 GPUs"]
+    (row,) = [
+        r for r in validation.validation_table() if r.case == "NCCL all-gather + cuBLAS, 2 GPUs"
+    ]
     assert 0.7 <= row.ratio < 0.8
 
 
 def test_every_prediction_row_is_classified():
-    rows = cost.validation_table()
+    rows = validation.validation_table()
     predictions = {(r.source, r.case) for r in rows if r.kind == "prediction"}
     assert predictions == set(WITHIN_20) | {("JAX Pallas MGPU", "NCCL all-gather + cuBLAS, 2 GPUs")}
 
 
 def test_tpu_v5e_is_the_most_consistent_chip_for_the_scaling_book_example():
-    rows = cost.scaling_book_chip_check()
+    rows = validation.scaling_book_chip_check()
     worst = {
         r["chip"]: max(abs(1 - r["baseline_ratio"]), abs(1 - r["collective_ratio"])) for r in rows
     }
@@ -400,13 +421,13 @@ def test_chunks_cost_latency_when_compute_bound():
 
 
 @pytest.mark.parametrize(
-    "kwargs, match",
+    "kwargs, error, match",
     [
-        ({"chunks": 0}, "chunks must be a positive int"),
-        ({"chunks": True}, "chunks must be a positive int"),
-        ({"chunks": 2, "op": "matmul_reduce_scatter"}, "option of all_gather_matmul only"),
+        ({"chunks": 0}, ValueError, "chunks must be an int >= 1, got 0"),
+        ({"chunks": True}, TypeError, "chunks must be an int >= 1, got True"),
+        ({"chunks": 2, "op": "matmul_reduce_scatter"}, ValueError, "option of all_gather_matmul"),
     ],
 )
-def test_bad_chunks(kwargs, match):
-    with pytest.raises(ValueError, match=match):
+def test_bad_chunks(kwargs, error, match):
+    with pytest.raises(error, match=match):
         Workload(m=8, k=8, n=8, n_devices=4, **kwargs)

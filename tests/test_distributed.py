@@ -70,8 +70,10 @@ def test_every_op_equals_the_reference(launch):
         c = dc.CASES[name]
         want = dc.expect_case(name, c, n)
         for r in range(n):
-            failures += [f"{name}, rank {r}: {b}" for b in _compare(ranks[r]["cases"][name],
-                                                                    want[r], c.exact)]  # fmt: skip
+            failures += [
+                f"{name}, rank {r}: {b}"
+                for b in _compare(ranks[r]["cases"][name], want[r], c.exact)
+            ]
     assert not failures, "\n".join(failures)
 
 
@@ -82,16 +84,22 @@ def _layer_reference(kind: str, n: int, steps: int) -> list[dict]:
         "ColumnParallelLinear": ({"weight": fc1.weight, "bias": fc1.bias}, fc1),
         "RowParallelLinear": ({"weight": fc2.weight, "bias": fc2.bias}, fc2),
         "SequenceParallelMLP": (
-            {f"fc{i}.{k}": getattr(m, k) for i, m in ((1, fc1), (2, fc2))
-             for k in ("weight", "bias")},
+            {
+                f"fc{i}.{k}": getattr(m, k)
+                for i, m in ((1, fc1), (2, fc2))
+                for k in ("weight", "bias")
+            },
             lambda x: fc2(torch.relu(fc1(x))),
         ),
         "GatedMLP": (
-            {f"{a}.{k}": getattr(m, k) for a, m in (("gate", fc1), ("up", fc3), ("down", fc2))
-             for k in ("weight", "bias")},
+            {
+                f"{a}.{k}": getattr(m, k)
+                for a, m in (("gate", fc1), ("up", fc3), ("down", fc2))
+                for k in ("weight", "bias")
+            },
             lambda x: fc2(xp.relu_product(fc1(x), fc3(x))),
         ),
-    }  # fmt: skip
+    }
     params, forward = modules[kind]
     xs = dc.layer_inputs(kind, n)
     x = torch.cat(list(xs), dim=-1 if kind == "RowParallelLinear" else 1)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from xla_permute.tools.bench.c10d import config_with, format_c10d_report, run_c10d_bench
+from xla_permute_tools.bench.c10d import config_with, format_c10d_report, run_c10d_bench
 
 
 @pytest.fixture(scope="module")

@@ -81,7 +81,7 @@ def test_rank_table_shows_each_rank_as_a_row():
     import pytest
     import torch
 
-    from xla_permute.figures import rank_table
+    from xla_permute_tools.figures import rank_table
 
     table = rank_table([{"x": torch.arange(3.0), "<b>": "a"}, {"x": torch.zeros(4, 4), "<b>": 1}])
     html = table._repr_html_()

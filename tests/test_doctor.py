@@ -3,7 +3,7 @@ itself runs in tests/test_selftest.py; here its rows are stubbed, no mesh is lau
 
 from xla_permute.__main__ import main
 from xla_permute.mesh.launch import MeshError
-from xla_permute.tools import selftest
+from xla_permute_tools import selftest
 
 
 def test_doctor_reports_environment_caveats_and_the_self_test(monkeypatch, capsys):

@@ -34,12 +34,18 @@ def program():
 def test_collectives_in_text_order(program):
     cs = program.collectives()
     assert [c.kind for c in cs] == [
-        "all-gather", "collective-permute", "all-reduce", "reduce-scatter"
-    ]  # fmt: skip
+        "all-gather",
+        "collective-permute",
+        "all-reduce",
+        "reduce-scatter",
+    ]
     ag, cp, ar, rs = cs
     assert (ag.channel_id, ag.replica_groups, ag.operand_bytes, ag.result_bytes) == (
-        7, ((0, 1),), 128, 256
-    )  # fmt: skip
+        7,
+        ((0, 1),),
+        128,
+        256,
+    )
     assert cp.pairs == ((0, 1), (1, 0)) and cp.channel_id is None
     assert ar.constrain_layout and ar.channel_id is None and ar.replica_groups == ()
     assert (rs.channel_id, rs.result_bytes) == (8, 64) and not rs.constrain_layout

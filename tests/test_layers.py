@@ -6,6 +6,8 @@ the ranks sum partial products in another order than one device does, so we allo
 error of 1e-6 of the largest entry (float32 has a 6e-8 unit roundoff; the sums have <= 64 terms).
 """
 
+import threading
+
 import pytest
 import torch
 from ranks_matmul import mlp_train_step
@@ -17,9 +19,9 @@ from xla_permute.layers import ColumnParallelLinear, RowParallelLinear
 H, F, B, S, N = 8, 16, 2, 8, 4
 LR = 2.0**-10
 VARIANTS = [
-    {"activation": act, "collective_matmul": cm, "bidirectional": bi}
+    {"activation": act, "strategy": strategy, "bidirectional": bi}
     for act in ("relu", "gelu")
-    for cm, bi in ((True, False), (True, True), (False, False))
+    for strategy, bi in (("ring", False), ("ring", True), ("baseline", False))
 ]
 
 
@@ -36,9 +38,15 @@ def run():
             p.copy_(_int_like(p, g))
     x, target = _int_like(torch.empty(B, S, H), g), _int_like(torch.empty(B, S, H), g)
     per_rank = run_on_mesh(
-        mlp_train_step, fc1.state_dict(), fc2.state_dict(), x, target, VARIANTS,
-        LR, n=N,
-    )  # fmt: skip
+        mlp_train_step,
+        fc1.state_dict(),
+        fc2.state_dict(),
+        x,
+        target,
+        VARIANTS,
+        LR,
+        n=N,
+    )
     return fc1, fc2, x, target, per_rank
 
 
@@ -50,12 +58,24 @@ def single_device(fc1, fc2, x, target, activation):
     loss = ((f2(act(f1(x))) - target) ** 2).sum()
     loss.backward()
     grads = {
-        "fc1.weight": f1.weight.grad, "fc1.bias": f1.bias.grad,
-        "fc2.weight": f2.weight.grad, "fc2.bias": f2.bias.grad,
-    }  # fmt: skip
-    return loss.detach(), grads, {k: p.detach() - LR * grads[k] for k, p in
-                                  (("fc1.weight", f1.weight), ("fc1.bias", f1.bias),
-                                   ("fc2.weight", f2.weight), ("fc2.bias", f2.bias))}  # fmt: skip
+        "fc1.weight": f1.weight.grad,
+        "fc1.bias": f1.bias.grad,
+        "fc2.weight": f2.weight.grad,
+        "fc2.bias": f2.bias.grad,
+    }
+    return (
+        loss.detach(),
+        grads,
+        {
+            k: p.detach() - LR * grads[k]
+            for k, p in (
+                ("fc1.weight", f1.weight),
+                ("fc1.bias", f1.bias),
+                ("fc2.weight", f2.weight),
+                ("fc2.bias", f2.bias),
+            )
+        },
+    )
 
 
 def gather_shards(shards, key):
@@ -115,3 +135,48 @@ def test_initialisation_uses_the_given_generator():
         8, 16, world_size=4, rank=0, generator=torch.Generator().manual_seed(3)
     )
     assert torch.equal(a.weight, b.weight) and a.weight.abs().max() <= 8**-0.5
+
+
+_ASKED = threading.local()  # per rank thread: the backend names the ops resolved
+_SPY = threading.Lock()
+
+
+def _backends_asked(strategy, x, g):
+    """On each rank: a column- and a row-parallel layer built with ``backend="emulated"``, run
+    forward and backward with ``strategy``; the backend names the ops asked for (every op
+    resolves its ``backend=`` through ``xla_permute.backends.select.get_backend``, wrapped once per
+    process to record the name per rank thread) and the input's gradient."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    import xla_permute.backends.select as backend
+
+    with _SPY:
+        if not hasattr(backend.get_backend, "records"):
+            real = backend.get_backend
+
+            def recording(name="auto", x=None):
+                _ASKED.__dict__.setdefault("names", []).append(name)
+                return real(name, x)
+
+            recording.records = True
+            backend.get_backend = recording
+    r, n, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
+    kw = dict(strategy=strategy, backend="emulated", dim=0, device=device)
+    col, row = ColumnParallelLinear(4, 8, **kw), RowParallelLinear(8, 4, **kw)
+    _ASKED.names = []
+    xr_ = x.chunk(n)[r].to(device).requires_grad_()
+    y = row(col(xr_))
+    (y * g.chunk(n)[r].to(device)).sum().backward()
+    torch_xla.sync()
+    return sorted(set(_ASKED.names)), xr_.grad.cpu()
+
+
+@pytest.mark.parametrize("strategy", ["baseline", "ring"])
+def test_layers_run_every_collective_on_their_own_backend(strategy):
+    """A layer built with ``backend="emulated"`` (or ``"c10d"``) runs all its collectives there,
+    the baseline's and the bias's gradient sum included; none falls back to ``"auto"``."""
+    x, g = torch.ones(4, 4), torch.ones(4, 4)
+    for names, dx in run_on_mesh(_backends_asked, strategy, x, g, n=2):
+        assert names == ["emulated"], names
+        assert dx.shape == (2, 4)

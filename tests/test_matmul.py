@@ -3,7 +3,7 @@
 One launch per mesh size: N=4 and N=2 run every case (all-gather-matmul and
 matmul-reduce-scatter, uni- and bidirectional, 2-D and 3-D, both baselines, float32 with
 integer values and bfloat16 with small integers; all-gather-matmul with ``chunks``,
-matmul-reduce-scatter reading x in row chunks), and traces the native rings for their overlap;
+matmul-reduce-scatter reading x in row slices), and traces the native rings for their overlap;
 N=1 checks the plain-matmul degenerate case.
 """
 
@@ -41,9 +41,16 @@ def make_cases(n):
                     )
                     gs = _ints(*ref(xs, ws, dim).shape, seed=seed + 2000)
                     cases.append(
-                        dict(op=op, bidirectional=bidirectional, dim=dim, xs=xs.to(dtype),
-                             ws=ws.to(dtype), gs=gs.to(dtype), ref=ref)
-                    )  # fmt: skip
+                        dict(
+                            op=op,
+                            bidirectional=bidirectional,
+                            dim=dim,
+                            xs=xs.to(dtype),
+                            ws=ws.to(dtype),
+                            gs=gs.to(dtype),
+                            ref=ref,
+                        )
+                    )
     for op, bidirectional, per_rank, dim, f, chunks, dtype in CHUNKED:
         shape = list(per_rank)
         if op == "mrs":
@@ -53,14 +60,22 @@ def make_cases(n):
         ref = reference.all_gather_matmul if op == "agm" else reference.matmul_reduce_scatter
         gs = _ints(*ref(xs, ws, dim).shape, seed=seed + 2000)
         cases.append(
-            dict(op=op, bidirectional=bidirectional, dim=dim, xs=xs.to(dtype), ws=ws.to(dtype),
-                 gs=gs.to(dtype), ref=ref, chunks=chunks)
-        )  # fmt: skip
+            dict(
+                op=op,
+                bidirectional=bidirectional,
+                dim=dim,
+                xs=xs.to(dtype),
+                ws=ws.to(dtype),
+                gs=gs.to(dtype),
+                ref=ref,
+                chunks=chunks,
+            )
+        )
     return cases
 
 
 #: all-gather-matmul with chunks=c; matmul-reduce-scatter with K > F, so that it reads each
-#: block of x in row chunks (4 for float32 K=8, F=2; 2 for bfloat16 with float32 sums).
+#: block of x in row slices (4 for float32 K=8, F=2; 2 for bfloat16 with float32 sums).
 CHUNKED = [
     ("agm", False, (4, 3), 0, 5, 2, torch.float32),
     ("agm", True, (4, 3), 0, 5, 4, torch.float32),
@@ -121,8 +136,9 @@ def test_bad_inputs_raise_before_any_collective(mesh_run):
     assert "is not a dimension of x" in errors["dim out of range"]
     assert "w must be 2-D" in errors["w not 2-D"]
     assert "at least 2-D" in errors["x 1-D"]
-    for bad in ("0", "True", "'2'"):
-        assert errors[f"chunks={bad}"].startswith("ValueError: all_gather_matmul: chunks must")
+    assert errors["chunks=0"].startswith("ValueError: all_gather_matmul: chunks must be an int")
+    for bad in ("True", "'2'"):  # not an int: a TypeError
+        assert errors[f"chunks={bad}"].startswith("TypeError: all_gather_matmul: chunks must")
     assert "chunks=3 does not divide x.shape[0] = 2" in errors["chunks=3"]
     assert "use a divisor such as 1, 2" in errors["chunks=3"]
     assert all(r["errors"] == errors for r in per_rank)
@@ -139,7 +155,7 @@ def test_world_size_one_is_a_plain_matmul():
 
 
 def test_native_rings_overlap_every_matmul_with_a_permute(mesh_run):
-    """From the traced native HLO of each rank: matmul-reduce-scatter (x read in 4 row chunks
+    """From the traced native HLO of each rank: matmul-reduce-scatter (x read in 4 row slices
     per block) computes step t+1's matmuls while step t's permutes are in flight (none depends
     on them); chunked all-gather-matmul sends c (N-1) permutes, each in flight during a
     matmul."""

@@ -28,21 +28,28 @@ def fused_cases():
             ((2, 3, 4), 1, (2, 2), False),
             ((2, 3, 4), 1, (3, 1), True),
             ((2, 3, 4), 0, (4,), False),
-        ]  # fmt: skip
+        ]
     ):
         xs = _ints(N, *per_rank, seed=10 * i)
         ws = [_ints(N, per_rank[-1], f, seed=10 * i + j + 1) for j, f in enumerate(widths)]
-        gs = [_ints(*reference.all_gather_matmul(xs, w, dim).shape, seed=99 + j) for j, w in
-              enumerate(ws)]  # fmt: skip
+        gs = [
+            _ints(*reference.all_gather_matmul(xs, w, dim).shape, seed=99 + j)
+            for j, w in enumerate(ws)
+        ]
         cases.append(dict(dim=dim, bi=bi, xs=xs, ws=ws, gs=gs))
     return cases
 
 
 EMPTY = [  # (op, per-rank x shape, w shape, dim)
-    ("agm", (0, 4), (4, 3), 0), ("agm", (2, 0), (0, 3), 0), ("agm", (2, 4), (4, 0), 0),
-    ("mrs", (0, 4), (4, 3), 0), ("mrs", (4, 0), (0, 3), 0), ("mrs", (4, 4), (4, 0), 0),
-    ("agm_base", (0, 4), (4, 3), 0), ("mrs_base", (4, 0), (0, 3), 0),
-]  # fmt: skip
+    ("agm", (0, 4), (4, 3), 0),
+    ("agm", (2, 0), (0, 3), 0),
+    ("agm", (2, 4), (4, 0), 0),
+    ("mrs", (0, 4), (4, 3), 0),
+    ("mrs", (4, 0), (0, 3), 0),
+    ("mrs", (4, 4), (4, 0), 0),
+    ("agm_base", (0, 4), (4, 3), 0),
+    ("mrs_base", (4, 0), (0, 3), 0),
+]
 
 
 def suite(cases, mlp, xs_mlp, gs_mlp, empty):
@@ -59,8 +66,15 @@ def suite(cases, mlp, xs_mlp, gs_mlp, empty):
         ys = xp.all_gather_matmul(x, ws, dim=c["dim"], bidirectional=c["bi"])
         base = xp.all_gather_then_matmul(x.detach(), [w.detach() for w in ws], dim=c["dim"])
         sum((y * g[r].to(d)).sum() for y, g in zip(ys, c["gs"], strict=True)).backward()
-        out["fused"].append(dict(ys=list(ys), base=list(base), dx=x.grad,
-                                 dws=[w.grad for w in ws], kind=type(ys).__name__))  # fmt: skip
+        out["fused"].append(
+            dict(
+                ys=list(ys),
+                base=list(base),
+                dx=x.grad,
+                dws=[w.grad for w in ws],
+                kind=type(ys).__name__,
+            )
+        )
         torch_xla.sync()
     single = xp.all_gather_matmul(cases[0]["xs"][r].to(d), cases[0]["ws"][0][r].to(d), dim=0)
     out["single_is_tensor"] = isinstance(single, torch.Tensor)
@@ -112,19 +126,27 @@ def suite(cases, mlp, xs_mlp, gs_mlp, empty):
         "strategy": error(lambda: col(8, 8, strategy="fast")),
         "backend": error(lambda: col(8, 8, backend="nccl")),
         "cpu params": error(lambda: col(8, 8)(torch.ones(2, 8, device=d))),
-        "wrong world": error(lambda: col(8, 8, world_size=2, rank=r % 2, device=d)(
-            torch.ones(2, 8, device=d))),
-        "reduce_dtype": error(lambda: xp.matmul_reduce_scatter(
-            torch.ones(4, 2, device=d), torch.ones(2, 2, device=d), dim=0, reduce_dtype="f32")),
-    }  # fmt: skip
+        "wrong world": error(
+            lambda: col(8, 8, world_size=2, rank=r % 2, device=d)(torch.ones(2, 8, device=d))
+        ),
+        "reduce_dtype": error(
+            lambda: xp.matmul_reduce_scatter(
+                torch.ones(4, 2, device=d), torch.ones(2, 2, device=d), dim=0, reduce_dtype="f32"
+            )
+        ),
+    }
     torch_xla.sync()
     return out
 
 
 def _mlp(seed, act, bias, h=8, ffn=12):
     torch.manual_seed(seed)
-    return (nn.Linear(h, ffn, bias=bias), nn.Linear(h, ffn, bias=bias),
-            nn.Linear(ffn, h, bias=bias), act)  # fmt: skip
+    return (
+        nn.Linear(h, ffn, bias=bias),
+        nn.Linear(h, ffn, bias=bias),
+        nn.Linear(ffn, h, bias=bias),
+        act,
+    )
 
 
 def _integerise(*mods):
@@ -184,9 +206,9 @@ def test_reduce_dtype(run):
     for key in ("None", "torch.bfloat16", "torch.float32"):
         got = torch.stack([r["reduce_dtype"][key] for r in per_rank])
         assert got.dtype == torch.bfloat16 and torch.equal(got, want), key
-    assert xp.matmul.partial_sum_dtype(torch.bfloat16) == torch.float32
-    assert xp.matmul.partial_sum_dtype(torch.float16, torch.float16) == torch.float16
-    assert xp.matmul.partial_sum_dtype(torch.float64) == torch.float64
+    assert xp.reference.accumulation_dtype(torch.bfloat16) == torch.float32
+    assert xp.reference.accumulation_dtype(torch.float16, torch.float16) == torch.float16
+    assert xp.reference.accumulation_dtype(torch.float64) == torch.float64
 
 
 def test_gated_mlp_equals_the_single_device_mlp(run):

@@ -81,8 +81,10 @@ def test_groups_match_the_reference_group_by_group(run, name):
     groups = GROUPS[name]
     size = len(groups[0])
     per_rank = outs[size]
-    for op, ref, xin in (("agm", reference.all_gather_matmul, xs),
-                         ("mrs", reference.matmul_reduce_scatter, xs_rs[size])):  # fmt: skip
+    for op, ref, xin in (
+        ("agm", reference.all_gather_matmul, xs),
+        ("mrs", reference.matmul_reduce_scatter, xs_rs[size]),
+    ):
         x = xin.clone().requires_grad_()
         w = ws.clone().requires_grad_()
         y = grouped(lambda a, b, ref=ref: ref(a, b, 0), groups, x, w)

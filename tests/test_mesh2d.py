@@ -1,14 +1,63 @@
 """Mesh2D (the TP x CP grid: places, groups, two-level token sharding) on the host, and
-all_reduce / all_reduce_gradients on the 4-device mesh (one launch, tests/ranks_mesh2d.py)."""
+all_reduce / all_reduce_gradients on the 4-device mesh (one launch, the rank function below)."""
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 import torch
-from ranks_mesh2d import probe
 
 import xla_permute as xp
 from xla_permute import run_on_mesh
+
+# The mesh probe (one launch): its rank function
+
+
+def probe(xs: torch.Tensor, gs: torch.Tensor, groups: list[list[int]]) -> dict[str, Any]:
+    """``xs[r]``, ``gs[r]``: rank r's input and output gradient (integer-valued)."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    import xla_permute as xp
+
+    r, dev = xr.global_ordinal(), torch_xla.device()
+    out: dict[str, Any] = {"coords": xp.Mesh2D(tp=2, cp=xr.world_size() // 2).coords()}
+
+    x = xs[r].to(dev).requires_grad_()
+    y_all = xp.all_reduce(x)  # 15 values over 4 ranks: padded
+    y_group = xp.all_reduce(x, groups=groups)
+    (y_group * gs[r].to(dev)).sum().backward()
+    scalar = xp.all_reduce(torch.tensor(float(r + 1), device=dev))
+    empty = xp.all_reduce(torch.zeros(0, 3, device=dev))
+    torch_xla.sync()
+    out.update(all=y_all, group=y_group, grad=x.grad, scalar=scalar, empty=empty)
+
+    # Gradients of two dtypes, one parameter without a gradient, one empty.
+    w32 = torch.nn.Parameter(xs[r, 0].to(dev))
+    w64 = torch.nn.Parameter(xs[r, 1].double().to(dev))
+    unused = torch.nn.Parameter(torch.ones(2, device=dev))
+    nothing = torch.nn.Parameter(torch.ones(0, device=dev))
+    (
+        (w32 * gs[r, 0].to(dev)).sum() + (w64 * gs[r, 1].double().to(dev)).sum() + nothing.sum()
+    ).backward()
+    xp.all_reduce_gradients([w32, unused, w64, nothing], groups=groups)
+    torch_xla.sync()
+    out.update(g32=w32.grad, g64=w64.grad, unused=unused.grad, nothing=nothing.grad)
+
+    # A disagreement (debug mode, on in tests): every rank raises before the collective.
+    try:
+        xp.all_reduce(torch.ones(2 if r == 0 else 3, device=dev))
+        out["disagreement"] = None
+    except Exception as e:  # noqa: BLE001 - reported to the test, which asserts on it
+        out["disagreement"] = (type(e).__name__, str(e))
+    try:
+        xp.Mesh2D(tp=2, cp=1).coords()
+        out["wrong_size"] = None
+    except ValueError as e:
+        out["wrong_size"] = str(e)
+    return out
+
 
 # ------------------------------------------------------------------ Mesh2D (host, pure)
 
@@ -62,7 +111,7 @@ def test_empty_sequence():
 def test_refusals():
     with pytest.raises(TypeError, match="tp must be an int"):
         xp.Mesh2D(tp=2.0, cp=2)
-    with pytest.raises(ValueError, match="cp must be >= 1"):
+    with pytest.raises(ValueError, match="cp must be an int >= 1"):
         xp.Mesh2D(tp=2, cp=0)
     mesh = xp.Mesh2D(tp=2, cp=2)
     with pytest.raises(ValueError, match=r"rank must be an int in \[0, 4\)"):
@@ -146,5 +195,6 @@ def test_ranks_that_disagree_raise_everywhere(run):
 def test_mesh2d_coords_on_the_mesh(run):
     _, _, per_rank = run
     assert [out["coords"] for out in per_rank] == [(0, 0), (1, 0), (0, 1), (1, 1)]
-    assert all("Mesh2D(tp=2, cp=1) has 2 ranks but this run has 4" in out["wrong_size"]
-               for out in per_rank)  # fmt: skip
+    assert all(
+        "Mesh2D(tp=2, cp=1) has 2 ranks but this run has 4" in out["wrong_size"] for out in per_rank
+    )

@@ -9,7 +9,7 @@ import torch
 
 from xla_permute import reference
 from xla_permute.__main__ import main
-from xla_permute.tools import selftest
+from xla_permute_tools import selftest
 
 
 def test_demo_runs_every_check_in_one_launch_and_all_pass(capsys):

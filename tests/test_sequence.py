@@ -50,7 +50,11 @@ def test_zigzag_is_head_tail():
         ),
         (lambda: shard_sequence(torch.ones(4), dim=0, n=2, layout="ring"), ValueError, "layout"),
         (lambda: shard_sequence(torch.ones(4), dim=1, n=2), ValueError, "dim=1"),
-        (lambda: shard_sequence(torch.ones(4), dim=0, n=0), ValueError, "positive int"),
+        (
+            lambda: shard_sequence(torch.ones(4), dim=0, n=0),
+            ValueError,
+            r"n \(the number of ranks\) must be an int >= 1",
+        ),
         (lambda: shard_sequence([1, 2], dim=0, n=1), TypeError, "torch.Tensor"),
         (
             lambda: unshard_sequence(torch.ones(2, 3), dim=0, layout="zigzag"),

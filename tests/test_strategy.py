@@ -12,8 +12,10 @@ from torch import nn
 
 import xla_permute as xp
 from xla_permute import cost
+from xla_permute.cost import choose_strategy
 from xla_permute.hardware import HardwareWarning, tpu_collective_matmul_setup
-from xla_permute.layers import STRATEGIES, _warn_xla_recipe, _xla_recipe_problems, choose_strategy
+from xla_permute.hardware.tpu import recipe_problems, warn_recipe_incomplete
+from xla_permute.layers import STRATEGIES
 
 TOKENS = [32 * 2**i for i in range(10)]  # 32 .. 16384
 
@@ -47,37 +49,37 @@ def test_unmodelled_chip_or_empty_shape_keeps_the_ring():
 
 @pytest.fixture
 def fresh_warning(monkeypatch):
-    from xla_permute import layers
+    from xla_permute.hardware import tpu
 
-    monkeypatch.setattr(layers, "_XLA_WARNED", [])
+    monkeypatch.setattr(tpu, "_WARNED", [])
 
 
 def test_xla_recipe_problems_name_the_missing_variables():
-    problems = _xla_recipe_problems("TPU", {})
+    problems = recipe_problems("TPU", {})
     text = " | ".join(problems)
     assert "ENABLE_COLLECTIVE_MATMUL_IN_MP is unset, needs 1" in text, problems
     assert "LIBTPU_INIT_ARGS lacks --xla_enable_async_collective_permute=true" in text
     assert "PJRT_DEVICE" not in text  # the device is known to be a TPU: no complaint
     complete = dict(tpu_collective_matmul_setup().env)
-    assert _xla_recipe_problems("TPU", complete) == []
+    assert recipe_problems("TPU", complete) == []
     half = {**complete, "ENABLE_COLLECTIVE_MATMUL_IN_MP": "0"}
-    assert _xla_recipe_problems("TPU", half) == ["ENABLE_COLLECTIVE_MATMUL_IN_MP is 0, needs 1"]
+    assert recipe_problems("TPU", half) == ["ENABLE_COLLECTIVE_MATMUL_IN_MP is 0, needs 1"]
     for device in ("CPU", "NEURON", "CUDA"):  # no recipe to miss: "xla" is the baseline there
-        assert _xla_recipe_problems(device, {}) == []
+        assert recipe_problems(device, {}) == []
 
 
 def test_xla_warns_once_on_a_tpu_without_the_recipe(fresh_warning):
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        _warn_xla_recipe("CPU", {})
-        _warn_xla_recipe("TPU", dict(tpu_collective_matmul_setup().env))
+        warn_recipe_incomplete("CPU", {})
+        warn_recipe_incomplete("TPU", dict(tpu_collective_matmul_setup().env))
     assert seen == []
     with pytest.warns(HardwareWarning, match="ENABLE_COLLECTIVE_MATMUL_IN_MP is unset") as w:
-        _warn_xla_recipe("TPU", {"LIBTPU_INIT_ARGS": "--xla_enable_async_all_gather=true"})
+        warn_recipe_incomplete("TPU", {"LIBTPU_INIT_ARGS": "--xla_enable_async_all_gather=true"})
     assert "tpu_collective_matmul_setup().env" in str(w[0].message)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        _warn_xla_recipe("TPU", {})  # once per process
+        warn_recipe_incomplete("TPU", {})  # once per process
     assert seen == []
 
 

@@ -23,10 +23,22 @@ def torchrun(
     """``(exit code, output (stdout and stderr), seconds)`` of ``script args...`` on ``n``
     processes."""
     path = os.pathsep.join(p for p in (str(script.parent), os.environ.get("PYTHONPATH")) if p)
-    environment = {**os.environ, "OMP_NUM_THREADS": "1", "XLA_PERMUTE_DEBUG": "1",
-                   "PYTHONPATH": path, **(env or {})}  # fmt: skip
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-           f"--nproc-per-node={n}", str(script), *args]  # fmt: skip
+    environment = {
+        **os.environ,
+        "OMP_NUM_THREADS": "1",
+        "XLA_PERMUTE_DEBUG": "1",
+        "PYTHONPATH": path,
+        **(env or {}),
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        f"--nproc-per-node={n}",
+        str(script),
+        *args,
+    ]
     start = time.monotonic()
     proc = subprocess.Popen(
         cmd,

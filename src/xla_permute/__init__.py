@@ -10,19 +10,27 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Sums over a group (all-reduce) and of replicated parameters' gradients
-from xla_permute.allreduce import all_reduce, all_reduce_gradients
-
-# Ring attention (context parallelism) and its sequence layouts
+# Ring attention (context parallelism) and its all-gather baseline
 from xla_permute.attention import all_gather_attention, ring_attention
 
-# The debug mode: every collective first checks that all ranks pass the same arguments
+# Agreement checks (every collective first checks that all ranks pass the same arguments),
+# and the refusal of torch.compile
 from xla_permute.backends.compiled import CompileError
-from xla_permute.collectives import all_gather, reduce_scatter, sum_gradients
+
+# Collectives: all-gather, reduce-scatter, all-reduce, sums of gradients
+from xla_permute.collectives import (
+    all_gather,
+    all_reduce,
+    all_reduce_gradients,
+    reduce_scatter,
+    sum_gradients,
+)
 from xla_permute.debug import DisagreementError, debug_mode
+
+# The tensor-parallel layers on collective matmul
 from xla_permute.layers import ColumnParallelLinear, RowParallelLinear
 
-# Collective matmul and the tensor-parallel layers on it
+# Collective matmul and its baselines
 from xla_permute.matmul import (
     all_gather_matmul,
     all_gather_then_matmul,
@@ -51,8 +59,10 @@ from xla_permute.pairs import (
     ring_pairs,
 )
 
-# Collectives
+# CollectivePermute: checked, differentiable
 from xla_permute.permute import collective_permute
+
+# Pipeline parallelism on stage shifts: its groups and GPipe's forward
 from xla_permute.pipeline import pipeline_forward, pipeline_groups
 
 # Pipeline schedules as data: each rank's orders and the schedules they play out
@@ -80,6 +90,9 @@ from xla_permute.shift import shift_pairs, stage_shift
 
 #: Submodules reached as attributes (imported on first use): ``xp.hardware.caveats()``, ...
 _SUBMODULES = ("reference", "hardware", "hlo", "cost", "figures")
+#: ``xp.figures``, as the tutorials draw with it, is the workshop's module (outside the library,
+#: which never imports it): reached here by name on first use only.
+_WORKSHOP = {"figures": "xla_permute_tools.figures"}
 #: Submodules that need an optional dependency, and the extra that installs it.
 _EXTRAS = {"figures": ("matplotlib", "figures")}
 
@@ -88,13 +101,13 @@ def __getattr__(name: str) -> Any:
     if name not in _SUBMODULES:
         raise AttributeError(f"module 'xla_permute' has no attribute {name!r}")
     try:
-        module = importlib.import_module(f"xla_permute.{name}")
+        module = importlib.import_module(_WORKSHOP.get(name, f"xla_permute.{name}"))
     except ModuleNotFoundError as e:
         need = _EXTRAS.get(name)
         if need is None or (e.name or "").partition(".")[0] != need[0]:
             raise
         raise ModuleNotFoundError(
-            f"xla_permute.{name} needs {need[0]}, which is not installed: "
+            f"xp.{name} needs {need[0]}, which is not installed: "
             f"pip install 'xla-permute[{need[1]}]'",
             name=need[0],
         ) from e

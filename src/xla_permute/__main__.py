@@ -8,23 +8,25 @@ from typing import NoReturn
 
 
 def _demo(args: argparse.Namespace) -> int:
-    from xla_permute.tools.selftest import main as self_test
+    from xla_permute_tools.selftest import main as self_test
 
     print("xla-permute demo")
     return self_test(n=args.n)
 
 
 def _doctor(args: argparse.Namespace) -> int:
-    from xla_permute.tools.doctor import main as doctor
+    from xla_permute_tools.doctor import main as doctor
 
     return doctor(
-        n=args.n, device_type=args.device_type, self_test=not args.no_self_test,
+        n=args.n,
+        device_type=args.device_type,
+        self_test=not args.no_self_test,
         details=args.details,
-    )  # fmt: skip
+    )
 
 
 def _bench(args: argparse.Namespace) -> int:
-    from xla_permute.tools.bench import run_from_args
+    from xla_permute_tools.bench import run_from_args
 
     return run_from_args(args)
 
@@ -78,7 +80,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--details", action="store_true", help="each caveat's whole text, not one line"
     )
     doctor.set_defaults(func=_doctor)
-    from xla_permute.tools.bench import add_arguments as add_bench_arguments
+    from xla_permute_tools.bench import add_arguments as add_bench_arguments
 
     bench = sub.add_parser(
         "bench", help="time, memory and bytes of collective matmul vs its baselines (CPU mesh)"

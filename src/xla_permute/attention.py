@@ -47,12 +47,11 @@ import torch
 
 from xla_permute.backends.select import BackendName as Backend
 from xla_permute.backends.select import CommBackend, Handle, Ring, check_tensor, ring
+from xla_permute.reference import accumulation_dtype
 from xla_permute.schedule import AttentionHop, ring_attention_schedule
 from xla_permute.sequence import check_layout, layout_chunks
 
 __all__ = ["all_gather_attention", "ring_attention"]
-
-_HALF = (torch.bfloat16, torch.float16)
 
 
 def _span(chunks: tuple[int, ...], held: tuple[int, ...], size: int) -> slice:
@@ -194,8 +193,9 @@ def _ring_backward(
         mine = _block_grads(q, kv, lse, dout, delta, dq, own, hop, size, plan)
         if n > 1:
             received = sent.wait()
-            kv, arrived = (received[:2], received[2:] if i else None) if i < n - 1 else (
-                kv, received)  # fmt: skip
+            kv, arrived = (
+                (received[:2], received[2:] if i else None) if i < n - 1 else (kv, received)
+            )
     home = _plus(arrived, mine, kv)
     dkv = plan.send(home).wait() if n > 1 else home  # the last permute: home to the owner
     grad_q = torch.cat([torch.zeros_like(q[:, :, :, :size]) if d is None else d for d in dq], 3)
@@ -265,9 +265,14 @@ class _RingAttention(torch.autograd.Function):
         hkv = k.shape[1]
         grouped = (b, hkv, hq // hkv, s, d)
         dq, dk, dv = _ring_backward(
-            q.reshape(grouped).to(plan.acc), k.to(plan.acc), v.to(plan.acc), out, lse,
-            grad.reshape(grouped).to(plan.acc), plan,
-        )  # fmt: skip
+            q.reshape(grouped).to(plan.acc),
+            k.to(plan.acc),
+            v.to(plan.acc),
+            out,
+            lse,
+            grad.reshape(grouped).to(plan.acc),
+            plan,
+        )
         return dq.reshape(b, hq, s, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 
@@ -385,7 +390,7 @@ def ring_attention(
     _agree("ring_attention", q, k, ring_, causal=causal, layout=layout, scale=scale_)
     if q.numel() == 0 or k.numel() == 0:  # every rank agrees: no collective
         return q * 0 + (k.sum() + v.sum()) * 0
-    acc = torch.float32 if q.dtype in _HALF else q.dtype
+    acc = accumulation_dtype(q.dtype)
     ring_.check(acc)
     schedule = ring_attention_schedule(n, rank, causal=causal, layout=layout)
     plan = _Plan(n, rank, ring_, layout, scale_, acc, schedule)
@@ -439,7 +444,7 @@ def all_gather_attention(
         return q * 0 + (k.sum() + v.sum()) * 0
     n, rank = chosen.world_size(), chosen.rank()
     (b, hq, s, d), hkv = q.shape, k.shape[1]
-    acc = torch.float32 if q.dtype in _HALF else q.dtype
+    acc = accumulation_dtype(q.dtype)
     kv = all_gather(torch.stack([k, v]), dim=3, backend=chosen.name).to(
         acc
     )  # [2, B, Hkv, N*S/N, D]

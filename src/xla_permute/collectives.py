@@ -1,4 +1,5 @@
-"""Differentiable all-gather and reduce-scatter over all ranks or within groups, on every backend.
+"""Differentiable all-gather, reduce-scatter and all-reduce over all ranks or within groups, on
+every backend, and the gradient sums of replicated parameters.
 
 On XLA these are the upstream collectives (``xm.all_gather``, ``xm.reduce_scatter``) called the
 way that runs on every device, the CPU mesh included (``pin_layout=False``, a channel id,
@@ -8,22 +9,42 @@ Autograd: the backward of an all-gather is a reduce-scatter of the gradient and 
 They build the baselines that collective matmul is compared with. ``groups``: replica groups
 of equal size (:func:`~xla_permute.pairs.check_groups`); a group gathers (and scatters) in the
 order it lists its ranks. ``None``: one group of all ranks.
+
+The sum over a group (one implementation, ``_sum``, behind :func:`all_reduce`,
+:func:`all_reduce_gradients` and the backward of :func:`sum_gradients`): ``xm.all_reduce``
+carries no channel id and aborts the CPU mesh, so the sum is built from the two collectives that
+run everywhere: a reduce-scatter of the flattened tensor (each rank sums one block) and an
+all-gather of the blocks, the two halves of a ring all-reduce (``2 (N-1)/N`` times the tensor's
+bytes per rank). Each block is summed once, on one rank, so every rank of a group gets the same
+bits: replicated weights stay identical after the step.
+
+A weight held whole by several ranks that see different tokens (a tensor-parallel shard
+replicated over the context-parallel group, a norm's weight replicated everywhere, the bias of a
+sequence-parallel row-parallel layer) gets, on each rank, the gradient of that rank's tokens
+only; the true gradient is their sum over the ranks that hold the same copy:
+:func:`sum_gradients` inside the model (its backward sums), or :func:`all_reduce_gradients`
+after ``loss.backward()``, as data-parallel training does, in one collective per dtype.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from xla_permute.backends.select import CommBackend, check_tensor
 from xla_permute.pairs import Groups as CheckedGroups
-from xla_permute.pairs import check_groups
+from xla_permute.pairs import GroupsLike as Groups
+from xla_permute.pairs import check_dim, check_groups
 
-__all__ = ["all_gather", "reduce_scatter", "sum_gradients"]
-
-Groups = Sequence[Sequence[int]] | None
+__all__ = [
+    "all_gather",
+    "all_reduce",
+    "all_reduce_gradients",
+    "reduce_scatter",
+    "sum_gradients",
+]
 
 
 class _AllGather(torch.autograd.Function):
@@ -54,31 +75,31 @@ class _ReduceScatter(torch.autograd.Function):
         return back, None, None, None
 
 
-def _dim(x: torch.Tensor, dim: object, op: str) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"{op}: dim={dim!r} is not a dimension of x with shape {tuple(x.shape)}")
-    return dim % x.dim()
-
-
-def _agree(op: str, x: torch.Tensor, dim: int, groups: CheckedGroups, backend: CommBackend) -> None:
-    """Debug mode (:mod:`xla_permute.debug`): every rank passes the same shape, dtype, dim and
-    groups, and its own device; else raise on every rank before the collective."""
+def _agree(op: str, fields: dict[str, Any], x: torch.Tensor, backend: CommBackend) -> None:
+    """Debug mode (:mod:`xla_permute.debug`): every rank passes the same ``fields`` and ``x``
+    on its own device; else raise on every rank before the collective."""
     from xla_permute import debug
 
+    debug.check_agreement(op, fields, error=backend.device_error(x), backend=backend)
+
+
+def _agree_dim(
+    op: str, x: torch.Tensor, dim: int, groups: CheckedGroups, backend: CommBackend
+) -> None:
     fields = {
         "x.shape": tuple(x.shape),
         "x.dtype": str(x.dtype),
         "dim": dim,
         "groups": [list(g) for g in groups],
     }
-    debug.check_agreement(op, fields, error=backend.device_error(x), backend=backend)
+    _agree(op, fields, x, backend)
 
 
 def _begin(x: object, dim: object, groups: Groups, backend: str, op: str) -> tuple[Any, ...]:
     """The op's boundary: ``(x, dim, checked groups, backend)``."""
     chosen = check_tensor(x, "x", backend)
     assert isinstance(x, torch.Tensor)
-    return x, _dim(x, dim, op), check_groups(groups, chosen.world_size()), chosen
+    return x, check_dim(dim, x.shape, op=op), check_groups(groups, chosen.world_size()), chosen
 
 
 def all_gather(
@@ -91,7 +112,7 @@ def all_gather(
     collective. In debug mode the ranks first check that they agree (:mod:`xla_permute.debug`).
     """
     x, dim, checked, chosen = _begin(x, dim, groups, backend, "all_gather")
-    _agree("all_gather", x, dim, checked, chosen)
+    _agree_dim("all_gather", x, dim, checked, chosen)
     if x.numel() == 0:
         return torch.cat([x] * len(checked[0]), dim)
     return _AllGather.apply(x, dim, checked, chosen)
@@ -114,11 +135,51 @@ def reduce_scatter(
             f"reduce_scatter: x.shape[{dim}] = {x.shape[dim]} is not divisible by the {n} ranks "
             f"of the group; pad it to a multiple of {n}"
         )
-    _agree("reduce_scatter", x, dim, checked, chosen)
+    _agree_dim("reduce_scatter", x, dim, checked, chosen)
     if x.numel() == 0:
         _, position, _ = chosen.position(checked)
         return x.narrow(dim, position * (x.shape[dim] // n), x.shape[dim] // n)
     return _ReduceScatter.apply(x, dim, checked, chosen)
+
+
+def all_gather_checked(
+    x: torch.Tensor, dim: int, groups: CheckedGroups, backend: CommBackend
+) -> torch.Tensor:
+    """:func:`all_gather` of arguments an op has checked already (and agreed on in debug
+    mode): the baselines of :mod:`xla_permute.matmul` call it after their own boundary."""
+    return _AllGather.apply(x, dim, groups, backend)
+
+
+def reduce_scatter_checked(
+    x: torch.Tensor, dim: int, groups: CheckedGroups, backend: CommBackend
+) -> torch.Tensor:
+    """:func:`reduce_scatter` of checked arguments (as :func:`all_gather_checked`)."""
+    return _ReduceScatter.apply(x, dim, groups, backend)
+
+
+def _sum(x: torch.Tensor, groups: CheckedGroups, backend: CommBackend) -> torch.Tensor:
+    """Raw sum over the group: flatten, pad to a multiple of N, reduce-scatter, all-gather."""
+    n = len(groups[0])
+    flat = x.reshape(-1)
+    pad = -flat.numel() % n
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    block = backend.reduce_scatter(flat, 0, groups)
+    whole = backend.all_gather(block, 0, groups)
+    return whole[: x.numel()].view(x.shape)
+
+
+class _AllReduce(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any, x: torch.Tensor, groups: CheckedGroups, backend: CommBackend
+    ) -> torch.Tensor:
+        ctx.groups, ctx.backend = groups, backend
+        return _sum(x, groups, backend)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return _AllReduce.apply(grad.contiguous(), ctx.groups, ctx.backend), None, None
 
 
 class _SumGradients(torch.autograd.Function):
@@ -131,8 +192,9 @@ class _SumGradients(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        gathered = ctx.backend.all_gather(grad.unsqueeze(0).contiguous(), 0, ctx.groups)
-        return gathered.sum(0), None, None
+        if grad.numel() == 0 or len(ctx.groups[0]) == 1:
+            return grad, None, None
+        return _sum(grad.contiguous(), ctx.groups, ctx.backend), None, None
 
 
 def sum_gradients(x: torch.Tensor, *, groups: Groups = None, backend: str = "auto") -> torch.Tensor:
@@ -140,8 +202,88 @@ def sum_gradients(x: torch.Tensor, *, groups: Groups = None, backend: str = "aut
 
     For a parameter held whole on every rank but used on a shard of the data (the bias of a
     sequence-parallel row-parallel layer): each rank's gradient covers its own rows only, and
-    the true gradient is their sum over the group. (An all-reduce, built from a channel-id
-    all-gather so that it runs on the CPU mesh too; the same on c10d.)
+    the true gradient is their sum over the group: ``dx = all_reduce(dy)``, the group sum of
+    the module docstring (a reduce-scatter and an all-gather). Per rank: ``x [...] -> [...]``.
     """
     chosen = check_tensor(x, "x", backend)
     return _SumGradients.apply(x, check_groups(groups, chosen.world_size()), chosen)
+
+
+def all_reduce(x: torch.Tensor, *, groups: Groups = None, backend: str = "auto") -> torch.Tensor:
+    """The sum of every rank's ``x`` over its group, on every rank of the group.
+
+    Per rank: ``x [...] -> [...]`` (same shape), ``y = sum_j x_j`` over the group's ranks
+    ``j``. Bitwise the same on every rank of a group. Backward: ``dx = all_reduce(dy)`` (each
+    rank's ``x`` reaches every rank's ``y``). Built from a reduce-scatter and an all-gather of
+    the flattened tensor, padded to a multiple of the group size (module docstring); an empty
+    ``x`` is returned without a collective. ``groups``: replica groups of equal size
+    (:func:`~xla_permute.pairs.check_groups`); None: all ranks. In debug mode the ranks first
+    check that they agree on shape, dtype and groups (:mod:`xla_permute.debug`).
+    """
+    chosen = check_tensor(x, "x", backend)
+    checked = check_groups(groups, chosen.world_size())
+    fields = {
+        "x.shape": tuple(x.shape),
+        "x.dtype": str(x.dtype),
+        "groups": [list(g) for g in checked],
+    }
+    _agree("all_reduce", fields, x, chosen)
+    if x.numel() == 0 or len(checked[0]) == 1:
+        return x.clone()
+    return _AllReduce.apply(x, checked, chosen)
+
+
+def all_reduce_gradients(
+    parameters: Iterable[torch.Tensor], *, groups: Groups = None, backend: str = "auto"
+) -> None:
+    """Replace each parameter's ``.grad`` with its sum over the group; call after backward.
+
+    For parameters held alike by the ranks of a group that see different data (module
+    docstring): after ``loss.backward()`` each rank's ``p.grad`` covers its own tokens; after
+    this call it is ``sum_j p.grad_j`` over the group, the same bits on every rank, so that
+    the optimizer steps every copy alike. Parameters without a gradient are skipped; every
+    rank must pass the same parameters in the same order, with the same gradients present
+    (checked in debug mode). The gradients of one dtype travel as one flat tensor: one
+    :func:`all_reduce` per dtype, not one per parameter. Not differentiable (it acts on
+    ``.grad``, outside autograd).
+
+    Raises:
+        TypeError: ``parameters`` holds something other than tensors; ValueError: bad
+            ``groups``, a gradient on another device than the first.
+    """
+    if isinstance(parameters, torch.Tensor):
+        parameters = [parameters]
+    params = list(parameters)
+    for i, p in enumerate(params):
+        if not isinstance(p, torch.Tensor):
+            raise TypeError(
+                f"parameters[{i}] is a {type(p).__name__}, not a tensor; pass "
+                f"module.parameters() or a list of parameters"
+            )
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    chosen = check_tensor(grads[0], "parameters[0].grad", backend)
+    checked = check_groups(groups, chosen.world_size())
+    for g in grads:
+        if g.device != grads[0].device:
+            raise ValueError(
+                f"all_reduce_gradients: gradients on {grads[0].device} and {g.device}; "
+                f"move the module to one device (its rank's) first"
+            )
+    described = [
+        None if p.grad is None else (tuple(p.grad.shape), str(p.grad.dtype)) for p in params
+    ]
+    fields = {"gradients": repr(described), "groups": [list(g) for g in checked]}
+    _agree("all_reduce_gradients", fields, grads[0], chosen)
+    if len(checked[0]) == 1:
+        return
+    with torch.no_grad():
+        for dtype in dict.fromkeys(g.dtype for g in grads):
+            same = [p for p in params if p.grad is not None and p.grad.dtype == dtype]
+            if sum(p.grad.numel() for p in same) == 0:
+                continue
+            flat = torch.cat([p.grad.reshape(-1) for p in same])
+            summed = _sum(flat, checked, chosen)
+            for p, piece in zip(same, summed.split([p.grad.numel() for p in same]), strict=True):
+                p.grad.copy_(piece.view_as(p.grad))

@@ -3,7 +3,7 @@
 With sequence parallelism (Megatron-LM's ``sequence_parallel=True``) activations between
 blocks are sharded along the sequence, so a column-parallel linear starts with an all-gather
 and a row-parallel linear ends with a reduce-scatter: exactly the two collectives that
-collective matmul overlaps with the matmul. ``collective_matmul=False`` runs the upstream
+collective matmul overlaps with the matmul. ``strategy="baseline"`` runs the upstream
 baseline (blocking collective, then matmul) for comparison.
 
 Per-rank shapes, N ranks, sequence dimension ``dim`` (default 1 of ``[batch, seq, features]``):
@@ -21,15 +21,15 @@ The MLP blocks built on them (:class:`~xla_permute.mlp.SequenceParallelMLP`,
 
 ``strategy`` (every layer): ``"ring"`` (collective matmul, the default), ``"baseline"``
 (blocking upstream collective, then matmul), ``"xla"`` or ``"auto"`` (the faster of ring and
-baseline by :func:`choose_strategy` (the cost model) for the detected chip and shape; ring off
-TPU/Neuron). ``"xla"`` leaves the overlap to the TPU compiler's own collective matmul: it issues
-the baseline's collectives in the form that rewrite needs, as the upstream proof of concept does
-(one all-gather or reduce-scatter next to the matmul, a channel id, ``pin_layout=False``, global
-device ids, the reduce-scatter in the input dtype), and the rewrite fires only with the
-environment of :func:`xla_permute.hardware.tpu_collective_matmul_setup` set before torch_xla's
-first compile (in the launcher). On a TPU the first ``"xla"`` forward warns once
-(:class:`~xla_permute.hardware.HardwareWarning`) naming the variables that are missing; on
-other devices ``"xla"`` is the baseline with the reduce-scatter in the input dtype.
+baseline by :func:`~xla_permute.cost.choose_strategy` (the cost model) for the detected chip and
+shape; ring off TPU/Neuron). ``"xla"`` leaves the overlap to the TPU compiler's own collective
+matmul: it issues the baseline's collectives in the form that rewrite needs, as the upstream
+proof of concept does (one all-gather or reduce-scatter next to the matmul, a channel id,
+``pin_layout=False``, global device ids, the reduce-scatter in the input dtype), and the rewrite
+fires only with the environment of :func:`xla_permute.hardware.tpu_collective_matmul_setup` set
+before torch_xla's first compile (in the launcher). On a TPU the first ``"xla"`` forward warns
+once (:func:`~xla_permute.hardware.tpu.warn_recipe_incomplete`) naming the variables that are
+missing; on other devices ``"xla"`` is the baseline with the reduce-scatter in the input dtype.
 ``groups``: tensor parallelism within each replica group (a ring in the group's order);
 ``world_size`` is then the group size. Empty inputs give empty outputs without a collective.
 
@@ -39,10 +39,7 @@ Backward: through the collective matmuls' own backward (see :mod:`xla_permute.ma
 from __future__ import annotations
 
 import math
-import os
-import threading
-import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -57,24 +54,16 @@ from xla_permute.matmul import (
     matmul_reduce_scatter,
     matmul_then_reduce_scatter,
 )
+from xla_permute.pairs import GroupsLike as Groups
+from xla_permute.pairs import check_int
 
 __all__ = [
     "STRATEGIES",
-    "choose_strategy",
     "ColumnParallelLinear",
     "RowParallelLinear",
 ]
 
 STRATEGIES = ("ring", "baseline", "xla", "auto")
-Groups = Sequence[Sequence[int]] | None
-
-
-def _count(value: object, name: str, minimum: int = 1) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < minimum:
-        raise ValueError(f"{name} must be >= {minimum}, got {value}")
-    return value
 
 
 def _world(
@@ -85,9 +74,9 @@ def _world(
     from xla_permute.backends.select import distributed_ready
 
     if world_size is not None:
-        world_size = _count(world_size, "world_size")
+        world_size = check_int(world_size, "world_size", 1)
     if rank is not None:
-        rank = _count(rank, "rank", 0)
+        rank = check_int(rank, "rank", 0)
     on_c10d = backend == "c10d" or (backend == "auto" and distributed_ready())
     if (world_size is None or rank is None) and not on_c10d:
         import torch_xla
@@ -108,91 +97,10 @@ def _world(
     return world_size, rank
 
 
-def _strategy(strategy: str | None, collective_matmul: bool | None) -> str:
-    if collective_matmul is not None:
-        if strategy is not None:
-            raise ValueError("pass strategy= or the older collective_matmul=, not both")
-        return "ring" if collective_matmul else "baseline"
-    strategy = "ring" if strategy is None else strategy
+def _strategy(strategy: str) -> str:
     if strategy not in STRATEGIES:
         raise ValueError(f"strategy must be one of {STRATEGIES}, got {strategy!r}")
     return strategy
-
-
-_XLA_WARNED: list[bool] = []  # the recipe warning was given (once per process)
-_XLA_LOCK = threading.Lock()
-
-
-def _xla_recipe_problems(device_type: str, environ: Mapping[str, str] | None = None) -> list[str]:
-    """Why ``strategy="xla"`` would not get the TPU compiler's collective matmul: the recipe's
-    variables missing from ``environ`` (default: this process) on a TPU; none elsewhere."""
-    if device_type != "TPU":
-        return []
-    from xla_permute.hardware.tpu import tpu_collective_matmul_setup
-
-    env = {**(os.environ if environ is None else environ), "PJRT_DEVICE": "TPU"}
-    # Compiling already is expected by the first forward; only the variables matter here.
-    problems = tpu_collective_matmul_setup().problems(env)
-    return [p for p in problems if not p.startswith("this process has compiled")]
-
-
-def _warn_xla_recipe(device_type: str, environ: Mapping[str, str] | None = None) -> None:
-    """Warn once per process when the ``"xla"`` strategy's environment recipe is incomplete."""
-    problems = _xla_recipe_problems(device_type, environ)
-    with _XLA_LOCK:
-        if not problems or _XLA_WARNED:
-            return
-        _XLA_WARNED.append(True)
-    from xla_permute.hardware.rules import HardwareWarning
-
-    warnings.warn(
-        "strategy='xla' issues the collectives in the TPU compiler's collective-matmul form, "
-        f"but the rewrite will not fire here: {'; '.join(problems)}. Set "
-        "xp.hardware.tpu_collective_matmul_setup().env in the environment that launches "
-        "training (before torch_xla's first compile); until then 'xla' runs the baseline",
-        HardwareWarning,
-        stacklevel=4,
-    )
-
-
-_TPU_CHIPS = {"v4": "tpu-v4", "v5litepod": "tpu-v5e", "v5e": "tpu-v5e", "v5p": "tpu-v5p",
-              "v6e": "tpu-v6e"}  # fmt: skip
-
-
-def _chip() -> str | None:
-    """The ``xp.cost.CHIPS`` key of this rank's accelerator, if modelled."""
-    import torch_xla.runtime as xr
-
-    if xr.device_type() != "TPU":
-        return None
-    from xla_permute.hardware.environment import detect
-
-    generation = (detect().tpu_generation or "").lower()
-    return _TPU_CHIPS.get(generation)
-
-
-def choose_strategy(
-    op: str,
-    *,
-    m: int,
-    k: int,
-    n: int,
-    n_devices: int,
-    dtype_bytes: int = 2,
-    bidirectional: bool = False,
-    chip: str | None = None,
-) -> str:
-    """``"ring"`` or ``"baseline"``: the faster by :func:`xla_permute.cost.predict` on ``chip``
-    (a key of ``xp.cost.CHIPS``); ``"ring"`` for an unmodelled chip or an empty
-    shape. So the choice is never predicted slower than the better of the two."""
-    if chip is None or min(m, k, n) <= 0 or n_devices < 2:
-        return "ring"
-    from xla_permute import cost
-
-    work = cost.Workload(m=m, k=k, n=n, n_devices=n_devices, dtype_bytes=dtype_bytes, op=op)
-    ring = cost.predict(cost.CHIPS[chip], work, "bi" if bidirectional else "uni").total
-    base = cost.predict(cost.CHIPS[chip], work, "baseline").total
-    return "ring" if ring <= base else "baseline"
 
 
 def _shard(size: int, world_size: int, what: str) -> int:
@@ -219,7 +127,7 @@ class _ParallelLinear(nn.Module):
         *,
         bias: bool = True,
         dim: int = 1,
-        strategy: str | None = None,
+        strategy: str = "ring",
         bidirectional: bool = False,
         groups: Groups = None,
         backend: str = "auto",
@@ -228,16 +136,14 @@ class _ParallelLinear(nn.Module):
         generator: torch.Generator | None = None,
         dtype: torch.dtype | None = None,
         device: torch.device | str | None = None,
-        collective_matmul: bool | None = None,
     ) -> None:
         super().__init__()
-        in_features = _count(in_features, "in_features")
-        out_features = _count(out_features, "out_features")
+        in_features = check_int(in_features, "in_features", 1)
+        out_features = check_int(out_features, "out_features", 1)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-        if isinstance(dim, bool) or not isinstance(dim, int):
-            raise TypeError(f"dim must be an int, got {dim!r}")
-        self.strategy = _strategy(strategy, collective_matmul)
+        check_int(dim, "dim")
+        self.strategy = _strategy(strategy)
         self.groups = None if groups is None else [list(g) for g in groups]
         self.backend = backend
         world_size, rank = _world(world_size, rank, self.groups, backend)
@@ -255,11 +161,6 @@ class _ParallelLinear(nn.Module):
         self.reset_parameters(generator)  # on the CPU (a CPU generator), then moved
         if device is not None:
             self.to(device)
-
-    @property
-    def collective_matmul(self) -> bool:
-        """The older flag: ``strategy == "ring"``."""
-        return self.strategy == "ring"
 
     def _method(self, x: torch.Tensor, weights: int = 1) -> str:
         """Check x against this layer (device, mesh) and pick ``"ring"`` or ``"baseline"``
@@ -293,17 +194,26 @@ class _ParallelLinear(nn.Module):
                 f"{tuple(x.shape)}"
             )
         if self.strategy == "xla" and comm.name != "c10d":
-            _warn_xla_recipe(comm.device_type)
+            from xla_permute.hardware.tpu import warn_recipe_incomplete
+
+            warn_recipe_incomplete(comm.device_type)
         if self.strategy != "auto":
             return "ring" if self.strategy == "ring" else "baseline"
         op = "all_gather_matmul" if self._sharded == "out" else "matmul_reduce_scatter"
         local = x.shape[self.dim] // (1 if self._sharded == "out" else size)
         rows = x.numel() // max(x.shape[-1], 1) // max(x.shape[self.dim], 1) * local
+        from xla_permute.cost.strategy import choose_strategy, detected_chip
+
         return choose_strategy(
-            op, m=rows, k=self.weight.shape[1], n=self.weight.shape[0] * weights, n_devices=size,
-            dtype_bytes=x.element_size(), bidirectional=self.bidirectional,
-            chip=None if comm.name == "c10d" else _chip(),
-        )  # fmt: skip
+            op,
+            m=rows,
+            k=self.weight.shape[1],
+            n=self.weight.shape[0] * weights,
+            n_devices=size,
+            dtype_bytes=x.element_size(),
+            bidirectional=self.bidirectional,
+            chip=None if comm.name == "c10d" else detected_chip(),
+        )
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
         """``nn.Linear``'s initialisation (uniform in +-1/sqrt(in_features) of the full layer).
@@ -320,8 +230,7 @@ class _ParallelLinear(nn.Module):
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> Self:
         """This rank's shard of a full ``nn.Linear`` (together, the same result as it)."""
-        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None,
-                    **kwargs)  # fmt: skip
+        layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kwargs)
         axis = 0 if cls._sharded == "out" else 1
         with torch.no_grad():
             layer.weight.copy_(linear.weight.chunk(layer.world_size, axis)[layer.rank])
@@ -359,11 +268,9 @@ def _column(layers: Sequence[ColumnParallelLinear], x: torch.Tensor) -> tuple[to
     """Column-parallel layers of one shape and setting on one input: one ring for all."""
     first = layers[0]
     ws = [layer.weight.T for layer in layers]
-    kw = dict(dim=first.dim, groups=first.groups)
+    kw = dict(dim=first.dim, groups=first.groups, backend=first.backend)
     if first._method(x, len(layers)) == "ring":
-        ys = all_gather_matmul(
-            x, ws, bidirectional=first.bidirectional, backend=first.backend, **kw
-        )
+        ys = all_gather_matmul(x, ws, bidirectional=first.bidirectional, **kw)
     else:
         ys = all_gather_then_matmul(x, ws, **kw)
     return tuple(y if c.bias is None else y + c.bias for y, c in zip(ys, layers, strict=True))
@@ -381,15 +288,13 @@ class RowParallelLinear(_ParallelLinear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``ReduceScatter(x @ W_r.T, dim) + b``: ``[..., S, K/N] -> [..., S/N, F]``."""
         w = self.weight.T
-        kw = dict(dim=self.dim, groups=self.groups)
+        kw = dict(dim=self.dim, groups=self.groups, backend=self.backend)
         if self._method(x) == "ring":
-            y = matmul_reduce_scatter(
-                x, w, bidirectional=self.bidirectional, backend=self.backend, **kw
-            )
+            y = matmul_reduce_scatter(x, w, bidirectional=self.bidirectional, **kw)
         else:  # baseline, or "xla": its reduce-scatter in the input dtype, as the PoC's
             reduce_dtype = x.dtype if self.strategy == "xla" else None
             y = matmul_then_reduce_scatter(x, w, reduce_dtype=reduce_dtype, **kw)
         if self.bias is None or y.numel() == 0:
             return y if self.bias is None else y + self.bias
         # The bias is whole on every rank but each rank adds it to its own rows only.
-        return y + sum_gradients(self.bias, groups=self.groups)
+        return y + sum_gradients(self.bias, groups=self.groups, backend=self.backend)

@@ -28,7 +28,7 @@ device so that every rank runs the same program) as soon as it is made, instead 
 concatenate of all N at the end: it holds about three x blocks (own, worked on, in flight)
 plus w and the output; with ``chunks=c`` each block travels as c chunks, one chunk all the way
 round before the next, and two chunks replace two of those blocks. Matmul-reduce-scatter reads
-x in row chunks at most half the partial sum they add to, each read waiting for the data of
+x in row slices at most half the partial sum they add to, each read waiting for the data of
 the product before it (``_take``): XLA:CPU, free to schedule reads of a parameter, would
 otherwise copy all N blocks of x before the first matmul. It then holds x, w, one chunk and a
 few partial sums: at most the baseline's x plus ``x @ w``. The rings themselves (forward and
@@ -47,17 +47,18 @@ import torch
 from xla_permute import collectives
 from xla_permute.backends.select import BackendName as Backend
 from xla_permute.backends.select import CommBackend, Ring, check_tensor, ring
-from xla_permute.matmul_ring import _block, _RingMatmul, partial_sum_dtype
+from xla_permute.matmul_ring import _block, _RingMatmul
+from xla_permute.pairs import GroupsLike as Groups
+from xla_permute.pairs import check_dim, check_groups, check_int
+from xla_permute.reference import accumulation_dtype
 
 __all__ = [
     "all_gather_matmul",
     "all_gather_then_matmul",
     "matmul_reduce_scatter",
     "matmul_then_reduce_scatter",
-    "partial_sum_dtype",
 ]
 
-Groups = Sequence[Sequence[int]] | None
 Weights = torch.Tensor | Sequence[torch.Tensor]
 
 
@@ -101,9 +102,7 @@ def _check(
                 f"{op}: inner dimensions differ: x.shape[-1] = {x.shape[-1]} but {name}.shape[0]"
                 f" = {w.shape[0]}; x [..., K] @ w [K, F] needs them equal"
             )
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
-        raise ValueError(f"{op}: dim={dim!r} is not a dimension of x with shape {tuple(x.shape)}")
-    dim %= x.dim()
+    dim = check_dim(dim, x.shape, op=op)
     if dim == x.dim() - 1:
         raise ValueError(
             f"{op}: dim={dim} is the contracted (last) dimension of x; shard a row or sequence "
@@ -142,8 +141,7 @@ def _agree(
 
 def _check_chunks(chunks: object, x: torch.Tensor, dim: int) -> None:
     """``chunks`` is a positive int that divides the rows of x's block along ``dim``."""
-    if isinstance(chunks, bool) or not isinstance(chunks, int) or chunks < 1:
-        raise ValueError(f"all_gather_matmul: chunks must be a positive int, got {chunks!r}")
+    check_int(chunks, "all_gather_matmul: chunks", 1)
     if x.shape[dim] % chunks:
         fits = [c for c in range(2, min(x.shape[dim], 64) + 1) if x.shape[dim] % c == 0][:3]
         raise ValueError(
@@ -204,9 +202,15 @@ def all_gather_matmul(
     dim = _check(x, ws, dim, "all_gather_matmul", False, ring_.size, ring_.backend)
     _check_chunks(chunks, x, dim)
     _agree(
-        "all_gather_matmul", x, ws, dim, ring_,
-        bidirectional=bool(bidirectional), backend=ring_.backend.name, chunks=chunks,
-    )  # fmt: skip
+        "all_gather_matmul",
+        x,
+        ws,
+        dim,
+        ring_,
+        bidirectional=bool(bidirectional),
+        backend=ring_.backend.name,
+        chunks=chunks,
+    )
     n = ring_.size
     if _empty_or_single(x, ws, ring_):
         ys = tuple(torch.cat([x @ wi] * n, dim) if n > 1 else x @ wi for wi in ws)
@@ -233,8 +237,9 @@ def matmul_reduce_scatter(
         w: this rank's ``[K, F]`` (typically a row shard of a ``[N*K, F]`` weight).
         dim: the dimension to scatter; ``x.shape[dim]`` must divide by N; not the last.
         bidirectional: one partial sum travels each way: ``N//2 + 1`` steps instead of N.
-        reduce_dtype: dtype of the travelling partial sums (:func:`partial_sum_dtype`):
-            float32 for half-precision inputs by default; ``x.dtype`` sends the baseline's
+        reduce_dtype: dtype of the travelling partial sums
+            (:func:`~xla_permute.reference.accumulation_dtype`): float32 for half-precision
+            inputs by default; ``x.dtype`` sends the baseline's
             bytes (half of float32's) at the price of rounding at every hop.
         groups: replica groups; each is a ring in its listed order (module docstring).
         backend: permute backend, as in :func:`~xla_permute.permute.collective_permute`.
@@ -249,11 +254,17 @@ def matmul_reduce_scatter(
         raise TypeError(f"matmul_reduce_scatter: w must be a tensor [K, F], got {type(w)}")
     x, ring_ = _ring(x, groups, backend, bidirectional)
     dim = _check(x, [w], dim, "matmul_reduce_scatter", True, ring_.size, ring_.backend)
-    acc = partial_sum_dtype(x.dtype, reduce_dtype)
+    acc = accumulation_dtype(x.dtype, reduce_dtype)
     _agree(
-        "matmul_reduce_scatter", x, [w], dim, ring_,
-        bidirectional=bool(bidirectional), reduce_dtype=acc, backend=ring_.backend.name,
-    )  # fmt: skip
+        "matmul_reduce_scatter",
+        x,
+        [w],
+        dim,
+        ring_,
+        bidirectional=bool(bidirectional),
+        reduce_dtype=acc,
+        backend=ring_.backend.name,
+    )
     if _empty_or_single(x, [w], ring_):
         return _block(x @ w, ring_.position, ring_.size, dim)
     ring_.check(acc)
@@ -273,7 +284,8 @@ def all_gather_then_matmul(
     if _empty_or_single(x, ws, ring_):
         ys = tuple(torch.cat([x @ wi] * ring_.size, dim) for wi in ws)
     else:
-        full = collectives.all_gather(x, dim, groups=groups, backend=ring_.backend.name)
+        checked = check_groups(ring_.groups, ring_.backend.world_size())
+        full = collectives.all_gather_checked(x, dim, checked, ring_.backend)
         ys = tuple(full @ wi for wi in ws)
     return ys[0] if single else ys
 
@@ -288,15 +300,14 @@ def matmul_then_reduce_scatter(
     backend: Backend = "auto",
 ) -> torch.Tensor:
     """Baseline: one matmul, then upstream reduce-scatter (channel id; ``reduce_scatter_tensor``
-    on c10d) in ``reduce_dtype`` (:func:`partial_sum_dtype`). Same result and shapes as
-    :func:`matmul_reduce_scatter`."""
+    on c10d) in ``reduce_dtype`` (:func:`~xla_permute.reference.accumulation_dtype`). Same
+    result and shapes as :func:`matmul_reduce_scatter`."""
     x, ring_ = _ring(x, groups, backend)
     dim = _check(x, [w], dim, "matmul_then_reduce_scatter", True, ring_.size, ring_.backend)
-    acc = partial_sum_dtype(x.dtype, reduce_dtype)
+    acc = accumulation_dtype(x.dtype, reduce_dtype)
     _agree("matmul_then_reduce_scatter", x, [w], dim, ring_, reduce_dtype=acc)
     if _empty_or_single(x, [w], ring_):
         return _block(x @ w, ring_.position, ring_.size, dim)
     partial = x.to(acc) @ w.to(acc)
-    return collectives.reduce_scatter(partial, dim, groups=groups, backend=ring_.backend.name).to(
-        x.dtype
-    )
+    checked = check_groups(ring_.groups, ring_.backend.world_size())
+    return collectives.reduce_scatter_checked(partial, dim, checked, ring_.backend).to(x.dtype)

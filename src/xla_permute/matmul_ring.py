@@ -8,8 +8,8 @@ streamed round the ring once more, and the autograd function over them (``_RingM
 
 Reads of x wait for the data before them (``_take``, ``_zero_after``): XLA:CPU, free to
 schedule reads of a parameter, would otherwise copy all N blocks of x before the first matmul.
-Matmul-reduce-scatter reads each block in row chunks at most half the partial sum they add to
-(``_row_chunks``). The partial sums travel in :func:`~xla_permute.matmul.partial_sum_dtype`.
+Matmul-reduce-scatter reads each block in row slices at most half the partial sum they add to
+(``_row_slices``). The partial sums travel in :func:`~xla_permute.reference.accumulation_dtype`.
 """
 
 from __future__ import annotations
@@ -20,30 +20,8 @@ from typing import Any
 import torch
 
 from xla_permute.backends.select import Handle, Ring
+from xla_permute.reference import accumulation_dtype
 from xla_permute.schedule import all_gather_schedule, reduce_scatter_schedule
-
-__all__ = ["partial_sum_dtype"]
-
-_HALF = (torch.bfloat16, torch.float16)
-
-
-def partial_sum_dtype(dtype: torch.dtype, reduce_dtype: torch.dtype | None = None) -> torch.dtype:
-    """The dtype of the partial sums a reduce-scatter sends (and accumulates in).
-
-    ``reduce_dtype`` if given, else float32 for half-precision inputs and ``dtype`` otherwise.
-    The bench's byte accounting and the cost model use this same rule.
-
-    >>> partial_sum_dtype(torch.bfloat16), partial_sum_dtype(torch.bfloat16, torch.bfloat16)
-    (torch.float32, torch.bfloat16)
-    """
-    if reduce_dtype is None:
-        return torch.float32 if dtype in _HALF else dtype
-    if not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point:
-        raise TypeError(
-            f"reduce_dtype must be a floating torch.dtype such as torch.float32 or the input's "
-            f"dtype, or None; got {reduce_dtype!r}"
-        )
-    return reduce_dtype
 
 
 def _block(t: torch.Tensor, index: int, n: int, dim: int) -> torch.Tensor:
@@ -156,18 +134,19 @@ def _ring_all_gather_matmul(
     return outs
 
 
-def _row_chunks(
+def _row_slices(
     x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, n: int, acc: torch.dtype
 ) -> int:
-    """How many row chunks matmul-reduce-scatter reads each x block in: the fewest (a
-    divisor of the block's rows) whose chunk of x is at most half the partial sum it adds to
+    """How many row slices matmul-reduce-scatter reads each x block in: the fewest (a
+    divisor of the block's rows) whose slice of x is at most half the partial sum it adds to
     (the bidirectional ring reads two at once). 1 whenever ``sum F >= 2 K`` in equal dtypes;
-    one row per chunk when no divisor is fine enough.
+    one row per slice when no divisor is fine enough. (Not the ``chunks=`` of
+    all-gather-matmul, the pieces a block travels in.)
 
     >>> x = torch.zeros(4 * 1024, 4096)
-    >>> _row_chunks(x, [torch.zeros(4096, 256)], 0, 4, torch.float32)
+    >>> _row_slices(x, [torch.zeros(4096, 256)], 0, 4, torch.float32)
     32
-    >>> _row_chunks(torch.zeros(4 * 2, 6), [torch.zeros(6, 5)], 0, 4, torch.float32)
+    >>> _row_slices(torch.zeros(4 * 2, 6), [torch.zeros(6, 5)], 0, 4, torch.float32)
     2
     """
     m = x.shape[dim] // n
@@ -186,7 +165,7 @@ def _ring_matmul_reduce_scatter(
 ) -> torch.Tensor:
     """``ReduceScatter(sum_i x_i @ ws[i])``: with one x, ``x_i = x``; with a list, one each.
 
-    Each block of x is read in :func:`_row_chunks` chunks, each read waiting (``_take``) for
+    Each block of x is read in :func:`_row_slices` slices, each read waiting (``_take``) for
     the product before it, and a step's first read for the previous step's sum in its
     direction: x is never copied whole, and the matmuls of step t wait for no permute issued
     after step t-2 (the sum they will be added to waits for step t-1's).
@@ -194,7 +173,7 @@ def _ring_matmul_reduce_scatter(
     xs = list(x) if isinstance(x, (list, tuple)) else [x] * len(ws)
     n = ring.size
     acc = acc or xs[0].dtype  # None (all-gather-matmul's backward): the input's dtype
-    chunks = _row_chunks(xs[0], ws, dim, n, acc)
+    slices = _row_slices(xs[0], ws, dim, n, acc)
     xla = xs[0].device.type == "xla"
     position = _position(ring, xs[0])
     w_acc = [w.to(acc) for w in ws]
@@ -203,18 +182,18 @@ def _ring_matmul_reduce_scatter(
     last: dict[int, Any] = {}  # per direction: what its next read of x waits for (XLA)
     for step in reduce_scatter_schedule(n, ring.position, ring.bidirectional):
         for direction, block in zip((1, -1), step.blocks, strict=False):
-            index = (position + (block - ring.position) % n) % n * chunks  # rank-independent
+            index = (position + (block - ring.position) % n) % n * slices  # rank-independent
             parts = []
-            for _ in range(chunks):
+            for _ in range(slices):
                 partial = None
                 for xi, w in zip(xs, w_acc, strict=True):
                     after = last.get(direction) if xla else None
-                    term = _take(xi, dim, n * chunks, index, after).to(acc) @ w
+                    term = _take(xi, dim, n * slices, index, after).to(acc) @ w
                     partial = term if partial is None else partial + term
                     last[direction] = term
                 parts.append(partial)
                 index = index + 1  # no new constant per chunk
-            partial = parts[0] if chunks == 1 else torch.cat(parts, dim)
+            partial = parts[0] if slices == 1 else torch.cat(parts, dim)
             got = received.get(direction)
             summed[direction] = got.wait() + partial if got is not None else partial
             last[direction] = summed[direction]
@@ -236,7 +215,7 @@ def _stream_weight_grad(
     """``sum_b lhs_b.T @ rhs_b`` for each of ``locals_``: one operand streamed round the ring
     (in ``chunks`` chunks), the other local, whose block ``b`` along ``dim`` pairs with the
     block from position ``b``."""
-    acc_dtype = partial_sum_dtype(out_dtype)
+    acc_dtype = accumulation_dtype(out_dtype)
     sums: list[torch.Tensor | None] = [None] * len(locals_)
 
     def accumulate(source: int, held: torch.Tensor, j: int) -> None:

@@ -29,17 +29,10 @@ from collections.abc import Sequence
 
 import torch
 
-from xla_permute.sequence import _check_dim, check_layout, shard_sequence, unshard_sequence
+from xla_permute.pairs import check_dim, check_int
+from xla_permute.sequence import check_layout, shard_sequence, unshard_sequence
 
 __all__ = ["Mesh2D"]
-
-
-def _size(value: object, name: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int number of ranks, got {value!r}")
-    if value < 1:
-        raise ValueError(f"{name} must be >= 1 ranks, got {value}")
-    return value
 
 
 class Mesh2D:
@@ -51,7 +44,7 @@ class Mesh2D:
     """
 
     def __init__(self, tp: int, cp: int) -> None:
-        self.tp, self.cp = _size(tp, "tp"), _size(cp, "cp")
+        self.tp, self.cp = check_int(tp, "tp", 1), check_int(cp, "cp", 1)
 
     @property
     def size(self) -> int:
@@ -70,8 +63,7 @@ class Mesh2D:
     def rank(self, tp_index: int, cp_index: int) -> int:
         """The global rank at ``(tp_index, cp_index)``: ``cp_index * tp + tp_index``."""
         for value, name, top in ((tp_index, "tp_index", self.tp), (cp_index, "cp_index", self.cp)):
-            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < top:
-                raise ValueError(f"{name} must be an int in [0, {top}), got {value!r}")
+            check_int(value, name, 0, top)
         return cp_index * self.tp + tp_index
 
     def coords(self, rank: int | None = None) -> tuple[int, int]:
@@ -88,8 +80,7 @@ class Mesh2D:
                     f"= {world}"
                 )
             rank = comm.rank()
-        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.size:
-            raise ValueError(f"rank must be an int in [0, {self.size}) for {self!r}, got {rank!r}")
+        check_int(rank, "rank", 0, self.size)
         return rank % self.tp, rank // self.tp
 
     @property
@@ -113,7 +104,7 @@ class Mesh2D:
         if not isinstance(x, torch.Tensor):
             raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
         check_layout(layout)
-        dim = _check_dim(dim, x.dim(), f"x of shape {tuple(x.shape)}")
+        dim = check_dim(dim, x.shape)
         need = self.size * (2 if layout == "zigzag" else 1)
         if x.shape[dim] % need:
             raise ValueError(
@@ -145,6 +136,5 @@ class Mesh2D:
 
     def positions(self, seq_len: int, *, layout: str = "zigzag") -> list[list[int]]:
         """The token positions each rank holds under :meth:`shard_sequence`, by global rank."""
-        if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 0:
-            raise ValueError(f"seq_len must be an int >= 0, got {seq_len!r}")
+        check_int(seq_len, "seq_len", 0)
         return self.shard_sequence(torch.arange(seq_len), dim=0, layout=layout).tolist()

@@ -38,8 +38,10 @@ def _check_chain(
     same = ("dim", "groups", "world_size", "rank")
     differ = [a for a in same if getattr(first, a) != getattr(second, a)]
     if first.out_features != second.in_features:
-        differ.append(f"{first_name}.out_features = {first.out_features} vs {second_name}."
-                      f"in_features = {second.in_features}")  # fmt: skip
+        differ.append(
+            f"{first_name}.out_features = {first.out_features} vs {second_name}."
+            f"in_features = {second.in_features}"
+        )
     if differ:
         raise ValueError(
             f"{block}: {first_name} feeds {second_name}, so they must agree on {differ}; "
@@ -102,8 +104,17 @@ class GatedMLP(nn.Module):
         activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
     ) -> None:
         super().__init__()
-        same = ("in_features", "out_features", "dim", "strategy", "bidirectional", "groups",
-                "backend", "world_size", "rank")  # fmt: skip
+        same = (
+            "in_features",
+            "out_features",
+            "dim",
+            "strategy",
+            "bidirectional",
+            "groups",
+            "backend",
+            "world_size",
+            "rank",
+        )
         differ = [a for a in same if getattr(gate, a) != getattr(up, a)]
         if differ:
             raise ValueError(f"GatedMLP: gate and up must agree on {differ} to share a ring")

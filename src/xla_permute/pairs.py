@@ -1,4 +1,5 @@
-"""Source-target pairs of a CollectivePermute: checks, rings, inverses, cycles, groups.
+"""Source-target pairs of a CollectivePermute: checks, rings, inverses, cycles, groups; and the
+two argument checks every op shares (:func:`check_int`, :func:`check_dim`).
 
 A permute is given by pairs ``(source, target)``: rank ``target`` receives rank ``source``'s
 tensor. XLA allows any *partial* permutation: every rank is the source of at most one pair and
@@ -25,7 +26,9 @@ from typing import NamedTuple
 __all__ = [
     "Decomposition",
     "PairsLike",
+    "check_dim",
     "check_groups",
+    "check_int",
     "check_pairs",
     "decompose",
     "forms_complete_rings",
@@ -39,7 +42,55 @@ __all__ = [
 Pair = tuple[int, int]
 Pairs = tuple[Pair, ...]
 PairsLike = Iterable[Sequence[int]]
+# Replica groups as checked (check_groups): a tuple of rank tuples.
 Groups = tuple[tuple[int, ...], ...]
+# Replica groups as the ops take them: lists of ranks, or None for one group of all ranks.
+GroupsLike = Sequence[Sequence[int]] | None
+
+
+def check_int(
+    value: object, name: str, minimum: int | None = None, below: int | None = None
+) -> int:
+    """``value`` if it is an int (a bool is not) with ``minimum <= value < below``.
+
+    Raises TypeError (not an int) or ValueError (out of range), naming ``name`` and the range.
+
+    >>> check_int(3, "n", 1)
+    3
+    >>> check_int(0, "n", 1)
+    Traceback (most recent call last):
+    ...
+    ValueError: n must be an int >= 1, got 0
+    """
+    if minimum is not None and below is not None:
+        bounds = f" in [{minimum}, {below})"
+    else:
+        bounds = f" >= {minimum}" if minimum is not None else ""
+        bounds += f" < {below}" if below is not None else ""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} must be an int{bounds}, got {value!r} ({type(value).__name__})")
+    if (minimum is not None and value < minimum) or (below is not None and value >= below):
+        raise ValueError(f"{name} must be an int{bounds}, got {value!r}")
+    return value
+
+
+def check_dim(dim: object, shape: Sequence[int], what: str = "x", op: str = "") -> int:
+    """``dim`` as an index in ``0 .. len(shape) - 1`` (negative counts from the end).
+
+    Raises TypeError (not an int) or ValueError (not a dimension of ``what``), with ``op``'s
+    name first when given.
+
+    >>> check_dim(-1, (2, 3, 4))
+    2
+    """
+    prefix = f"{op}: " if op else ""
+    dim = check_int(dim, f"{prefix}dim")
+    ndim = len(shape)
+    if not -ndim <= dim < ndim:
+        raise ValueError(
+            f"{prefix}dim={dim!r} is not a dimension of {what} with shape {tuple(shape)}"
+        )
+    return dim % ndim
 
 
 class Decomposition(NamedTuple):

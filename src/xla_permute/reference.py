@@ -21,6 +21,7 @@ import torch
 from xla_permute.pairs import PairsLike, global_pairs
 
 __all__ = [
+    "accumulation_dtype",
     "all_gather",
     "all_gather_matmul",
     "matmul_reduce_scatter",
@@ -28,6 +29,26 @@ __all__ = [
     "reduce_scatter",
     "stage_shift",
 ]
+
+
+def accumulation_dtype(dtype: torch.dtype, reduce_dtype: torch.dtype | None = None) -> torch.dtype:
+    """The dtype sums are accumulated in (and partial sums travel in): the one rule of the
+    package, used by the rings, ring attention, this reference and the cost model.
+
+    ``reduce_dtype`` if given, else float32 for half-precision inputs (bfloat16, float16) and
+    ``dtype`` otherwise.
+
+    >>> accumulation_dtype(torch.bfloat16), accumulation_dtype(torch.bfloat16, torch.bfloat16)
+    (torch.float32, torch.bfloat16)
+    """
+    if reduce_dtype is None:
+        return torch.float32 if dtype in (torch.bfloat16, torch.float16) else dtype
+    if not isinstance(reduce_dtype, torch.dtype) or not reduce_dtype.is_floating_point:
+        raise TypeError(
+            f"reduce_dtype must be a floating torch.dtype such as torch.float32 or the input's "
+            f"dtype, or None; got {reduce_dtype!r}"
+        )
+    return reduce_dtype
 
 
 def permute(
@@ -91,7 +112,8 @@ def all_gather_matmul(xs: torch.Tensor, ws: torch.Tensor, dim: int) -> torch.Ten
 def matmul_reduce_scatter(xs: torch.Tensor, ws: torch.Tensor, dim: int) -> torch.Tensor:
     """``out = ReduceScatter(xs[r] @ ws[r], dim)``: the partial products summed and split.
 
-    Half-precision inputs are multiplied and summed in float32 and rounded once.
+    Multiplied and summed in :func:`accumulation_dtype` (float32 for half-precision inputs)
+    and rounded once.
     """
-    acc = torch.float32 if xs.dtype in (torch.bfloat16, torch.float16) else xs.dtype
+    acc = accumulation_dtype(xs.dtype)
     return reduce_scatter(_matmul(xs.to(acc), ws.to(acc)), dim).to(xs.dtype)

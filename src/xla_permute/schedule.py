@@ -1,4 +1,5 @@
-"""Ring schedules of collective matmul, as data: which block each rank works on at each step.
+"""Ring schedules of collective matmul and ring attention, as data: what each rank works on at
+each step.
 
 The matmul code in :mod:`xla_permute.matmul` iterates over these schedules, and the docs draw
 them, so the figure is the schedule that runs.
@@ -26,6 +27,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
 
+from xla_permute.pairs import check_int
 from xla_permute.sequence import layout_chunks
 
 __all__ = [
@@ -143,10 +145,8 @@ def ring_attention_schedule(
     >>> ring_attention_schedule(2, 0, causal=True, layout="zigzag")[1].blocks
     (AttentionBlock(q_chunks=(3,), k_chunks=(1, 2), causal=False),)
     """
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int number of ranks, got {n!r}")
-    if not 0 <= rank < n:
-        raise ValueError(f"rank must be in 0..{n - 1}, got {rank!r}")
+    check_int(n, "n (the number of ranks)", 1)
+    check_int(rank, "rank", 0, n)
     own = layout_chunks(n, rank, layout)
     hops = []
     for t in range(n):

@@ -23,6 +23,8 @@ from collections.abc import Sequence
 
 import torch
 
+from xla_permute.pairs import check_dim, check_int
+
 __all__ = ["LAYOUTS", "layout_chunks", "shard_sequence", "unshard_sequence"]
 
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
@@ -47,12 +49,6 @@ def layout_chunks(n: int, rank: int, layout: str) -> tuple[int, ...]:
     return (rank,) if layout == "contiguous" else (rank, 2 * n - 1 - rank)
 
 
-def _check_dim(dim: object, ndim: int, what: str) -> int:
-    if isinstance(dim, bool) or not isinstance(dim, int) or not -ndim <= dim < ndim:
-        raise ValueError(f"dim={dim!r} is not a dimension of {what} with {ndim} dimensions")
-    return dim % ndim
-
-
 def shard_sequence(
     x: torch.Tensor, *, dim: int, n: int, layout: str = "contiguous"
 ) -> torch.Tensor:
@@ -62,10 +58,9 @@ def shard_sequence(
     """
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
-        raise ValueError(f"n must be a positive int number of ranks, got {n!r}")
+    check_int(n, "n (the number of ranks)", 1)
     check_layout(layout)
-    dim = _check_dim(dim, x.dim(), f"x of shape {tuple(x.shape)}")
+    dim = check_dim(dim, x.shape)
     chunks = n if layout == "contiguous" else 2 * n
     if x.shape[dim] % chunks:
         raise ValueError(
@@ -103,7 +98,7 @@ def unshard_sequence(
         raise TypeError("shards must be a tensor [n, ...] or a non-empty list of tensors")
     check_layout(layout)
     n = len(per_rank)
-    dim = _check_dim(dim, per_rank[0].dim(), f"a shard of shape {tuple(per_rank[0].shape)}")
+    dim = check_dim(dim, per_rank[0].shape, "a shard")
     if layout == "contiguous":
         return torch.cat(per_rank, dim)
     if per_rank[0].shape[dim] % 2:

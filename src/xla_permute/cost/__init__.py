@@ -1,14 +1,17 @@
 """Roofline cost model: when does collective matmul pay, per chip?
 
-Nothing here runs on a device: it is arithmetic on published chip figures. Four parts:
+Nothing here runs on a device: it is arithmetic on published chip figures. Four parts (the
+model next to published measurements is a check, outside the library:
+:mod:`xla_permute_tools.validation`):
 
 * :mod:`xla_permute.cost.chips`: :class:`Chip` and the ``CHIPS`` table, every figure
   with its citation;
 * :mod:`xla_permute.cost.model`: the formulas (:func:`matmul_time`, :func:`link_time`,
   :func:`ring_collective_time`, :func:`predict`, :func:`speedup`, :func:`crossover`, ...), in
   its module docstring;
-* :mod:`xla_permute.cost.validation`: the model next to published measurements;
-* :mod:`xla_permute.cost.pipeline`: the step time of a pipeline schedule.
+* :mod:`xla_permute.cost.pipeline`: the step time of a pipeline schedule;
+* :mod:`xla_permute.cost.strategy`: the layers' ``strategy="auto"`` (ring or baseline, by the
+  model, for the detected chip).
 
 Every public name is reached from here: ``xp.cost.predict(xp.cost.CHIPS["tpu-v5p"], work)``.
 
@@ -43,12 +46,7 @@ from xla_permute.cost.pipeline import (
     step_time,
     torchtitan_comparison,
 )
-from xla_permute.cost.validation import (
-    ValidationRow,
-    format_validation_table,
-    scaling_book_chip_check,
-    validation_table,
-)
+from xla_permute.cost.strategy import choose_strategy, detected_chip
 
 __all__ = [
     "CHIPS",
@@ -56,24 +54,22 @@ __all__ = [
     "Chip",
     "PipelinePrediction",
     "Prediction",
-    "ValidationRow",
     "Workload",
     "baseline_time",
+    "choose_strategy",
     "chunk_overhead",
     "collective_matmul_time",
     "crossover",
     "crossover_table",
+    "detected_chip",
     "directions",
-    "format_validation_table",
     "link_time",
     "matmul_time",
     "partial_sum_bytes",
     "predict",
     "predict_pipeline",
     "ring_collective_time",
-    "scaling_book_chip_check",
     "speedup",
     "step_time",
     "torchtitan_comparison",
-    "validation_table",
 ]

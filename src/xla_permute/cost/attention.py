@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 from xla_permute.cost.chips import CHIPS, Chip
 from xla_permute.cost.model import Prediction, ring_collective_time
+from xla_permute.pairs import check_int
 from xla_permute.schedule import ring_attention_schedule, schedule_work
 from xla_permute.sequence import check_layout
 
@@ -75,8 +76,7 @@ class AttentionWorkload:
     def __post_init__(self) -> None:
         for name in ("seq_len", "n_devices", "batch", "q_heads", "kv_heads", "head_dim"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"AttentionWorkload: {name} must be an int >= 1, got {value!r}")
+            check_int(value, f"AttentionWorkload: {name}", 1)
         check_layout(self.layout)
         chunks = self.n_devices * (2 if self.layout == "zigzag" else 1)
         if self.seq_len % chunks:
@@ -180,8 +180,16 @@ def attention_crossover_table(
             ring = ring_attention_time(chip, w).total
             ag = all_gather_attention_time(chip, w).total
             winner = "ring" if ring < ag else "all-gather"
-            rows.append(dict(degree=n, seq_len=s, ring_s=ring, all_gather_s=ag,
-                             speedup=ag / ring, winner=winner))  # fmt: skip
+            rows.append(
+                dict(
+                    degree=n,
+                    seq_len=s,
+                    ring_s=ring,
+                    all_gather_s=ag,
+                    speedup=ag / ring,
+                    winner=winner,
+                )
+            )
     return rows
 
 
@@ -202,13 +210,25 @@ def published_attention_checks() -> list[dict[str, object]]:
         w = AttentionWorkload(seq_len=8 * 8192, n_devices=8, layout=layout)
         ideal = _pair_time(h800, w, sum(map(sum, _work(w)))) / 8
         share = ideal / ring_attention_time(h800, w).total
-        rows.append(dict(source="ring-flash-attention README, 8x H800", case=f"{layout} ring",
-                         published=published, model=share,
-                         reproduced=abs(share - published) < 0.05))  # fmt: skip
+        rows.append(
+            dict(
+                source="ring-flash-attention README, 8x H800",
+                case=f"{layout} ring",
+                published=published,
+                model=share,
+                reproduced=abs(share - published) < 0.05,
+            )
+        )
     v5p = CHIPS["tpu-v5p"]
     w = AttentionWorkload(seq_len=32768, n_devices=16, q_heads=32, kv_heads=32)
     ratio = ring_attention_time(v5p, w).total / all_gather_attention_time(v5p, w).total
-    rows.append(dict(source="MaxText #4687, v5p-128, CP=16, 32K",
-                     case="ring / all-gather step time", published=0.529 / 0.285, model=ratio,
-                     reproduced=ratio > 1))  # fmt: skip
+    rows.append(
+        dict(
+            source="MaxText #4687, v5p-128, CP=16, 32K",
+            case="ring / all-gather step time",
+            published=0.529 / 0.285,
+            model=ratio,
+            reproduced=ratio > 1,
+        )
+    )
     return rows

@@ -1,7 +1,7 @@
 """Roofline model of collective matmul and its baselines: when does the ring pay, per chip?
 
 Nothing here runs on a device: it is arithmetic on published chip figures, checked against
-published measurements by :func:`~xla_permute.cost.validation_table`.
+published measurements by :func:`~xla_permute_tools.validation.validation_table`.
 
 **Shapes.** A :class:`~xla_permute.cost.Workload` is what one rank holds. For
 all-gather-matmul, x is an ``m x k`` shard (the gathered operand, gathered along rows) and w a
@@ -10,7 +10,7 @@ matmul-reduce-scatter, x is ``(N m) x k`` (k is the sharded, contracted dimensio
 ``k x n``, and the rank ends with its ``m x n`` block of the sum. ``b`` is bytes per element
 of what travels: the input's for all-gather-matmul; for matmul-reduce-scatter the partial sums'
 (:attr:`Workload.partial_sum_bytes`: float32 for bf16 inputs by default, the rule of
-:func:`xla_permute.matmul.partial_sum_dtype` that the code sends with).
+:func:`xla_permute.reference.accumulation_dtype` that the code sends with).
 
 **Symbols.** ``R = peak * efficiency`` (FLOP/s), ``H`` HBM bandwidth, ``W = link_bandwidth *
 links_per_neighbor`` (bytes/s, one way, towards one ring neighbour), ``L`` per-hop latency,
@@ -76,6 +76,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from xla_permute.cost.chips import CHIPS, Chip
+from xla_permute.pairs import check_int
 
 __all__ = [
     "Prediction",
@@ -127,16 +128,12 @@ class Workload:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
                 raise ValueError(f"Workload: {name} must be a positive number, got {value!r}")
-        if isinstance(self.n_devices, bool) or not isinstance(self.n_devices, int):
-            raise TypeError(f"Workload: n_devices must be an int, got {self.n_devices!r}")
-        if self.n_devices < 1:
-            raise ValueError(f"Workload: n_devices must be >= 1, got {self.n_devices}")
+        check_int(self.n_devices, "Workload: n_devices", 1)
         if self.op not in _OPS:
             raise ValueError(f"Workload: op must be one of {_OPS}, got {self.op!r}")
         if self.reduce_dtype_bytes is not None:
             partial_sum_bytes(self.dtype_bytes, self.reduce_dtype_bytes)  # checks it
-        if isinstance(self.chunks, bool) or not isinstance(self.chunks, int) or self.chunks < 1:
-            raise ValueError(f"Workload: chunks must be a positive int, got {self.chunks!r}")
+        check_int(self.chunks, "Workload: chunks", 1)
         if self.chunks > 1 and self.op != "all_gather_matmul":
             raise ValueError(
                 f"Workload: chunks={self.chunks} is an option of all_gather_matmul only; use "
@@ -179,7 +176,7 @@ _FLOAT_OF_SIZE = {1: "float8_e4m3fn", 2: "bfloat16", 4: "float32", 8: "float64"}
 def partial_sum_bytes(dtype_bytes: float, reduce_dtype_bytes: float | None = None) -> float:
     """Bytes per element of the partial sums matmul-reduce-scatter (and its baseline) send.
 
-    The rule is the code's own, :func:`xla_permute.matmul.partial_sum_dtype` (one source of
+    The rule is the code's own, :func:`xla_permute.reference.accumulation_dtype` (one source of
     truth): ``reduce_dtype_bytes`` if given, else float32's 4 bytes for half-precision (2-byte)
     inputs and the input's size otherwise.
 
@@ -188,7 +185,7 @@ def partial_sum_bytes(dtype_bytes: float, reduce_dtype_bytes: float | None = Non
     """
     import torch
 
-    from xla_permute.matmul import partial_sum_dtype
+    from xla_permute.reference import accumulation_dtype
 
     def as_dtype(nbytes: float, name: str) -> torch.dtype:
         if nbytes not in _FLOAT_OF_SIZE:
@@ -200,7 +197,7 @@ def partial_sum_bytes(dtype_bytes: float, reduce_dtype_bytes: float | None = Non
     reduce = (
         None if reduce_dtype_bytes is None else as_dtype(reduce_dtype_bytes, "reduce_dtype_bytes")
     )
-    return partial_sum_dtype(as_dtype(dtype_bytes, "dtype_bytes"), reduce).itemsize
+    return accumulation_dtype(as_dtype(dtype_bytes, "dtype_bytes"), reduce).itemsize
 
 
 def matmul_time(

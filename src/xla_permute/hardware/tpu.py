@@ -3,7 +3,9 @@
 :func:`tpu_collective_matmul_setup` returns the environment variables and collective keyword
 arguments of the recipe (see the caveats ``tpu-collective-matmul-flag`` and
 ``tpu-libtpu-overlap-flags``); :func:`read_dump` reads an XLA dump directory and says, per
-compiled module, whether the all-gathers feeding matmuls were rewritten into permutes.
+compiled module, whether the all-gathers feeding matmuls were rewritten into permutes;
+:func:`warn_recipe_incomplete` is the warning of the layers' ``strategy="xla"`` on a TPU whose
+environment lacks the recipe.
 """
 
 from __future__ import annotations
@@ -12,13 +14,22 @@ import glob
 import os
 import re
 import sys
+import threading
+import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DumpReport", "TpuCollectiveMatmulSetup", "read_dump", "tpu_collective_matmul_setup"]
+__all__ = [
+    "DumpReport",
+    "TpuCollectiveMatmulSetup",
+    "read_dump",
+    "recipe_problems",
+    "tpu_collective_matmul_setup",
+    "warn_recipe_incomplete",
+]
 
 
 _ENABLE_CM = "ENABLE_COLLECTIVE_MATMUL_IN_MP"
@@ -171,17 +182,48 @@ def tpu_collective_matmul_setup(
     )
 
 
+_WARNED: list[bool] = []  # the recipe warning was given (once per process)
+_WARNED_LOCK = threading.Lock()
+
+
+def recipe_problems(device_type: str, environ: Mapping[str, str] | None = None) -> list[str]:
+    """Why the layers' ``strategy="xla"`` would not get the TPU compiler's collective matmul:
+    the recipe's variables missing from ``environ`` (default: this process) on a TPU; none on
+    other devices (``"xla"`` is the baseline there)."""
+    if device_type != "TPU":
+        return []
+    env = {**(os.environ if environ is None else environ), "PJRT_DEVICE": "TPU"}
+    # Compiling already is expected by the first forward; only the variables matter here.
+    problems = tpu_collective_matmul_setup().problems(env)
+    return [p for p in problems if not p.startswith("this process has compiled")]
+
+
+def warn_recipe_incomplete(device_type: str, environ: Mapping[str, str] | None = None) -> None:
+    """Warn once per process (:class:`~xla_permute.hardware.HardwareWarning`) when the
+    ``"xla"`` strategy's environment recipe is incomplete (:func:`recipe_problems`)."""
+    problems = recipe_problems(device_type, environ)
+    with _WARNED_LOCK:
+        if not problems or _WARNED:
+            return
+        _WARNED.append(True)
+    from xla_permute.hardware.rules import HardwareWarning
+
+    warnings.warn(
+        "strategy='xla' issues the collectives in the TPU compiler's collective-matmul form, "
+        f"but the rewrite will not fire here: {'; '.join(problems)}. Set "
+        "xp.hardware.tpu_collective_matmul_setup().env in the environment that launches "
+        "training (before torch_xla's first compile); until then 'xla' runs the baseline",
+        HardwareWarning,
+        stacklevel=4,
+    )
+
+
 def _threshold(value: object) -> int | None:
     if value is None:
         return None
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(
-            f"windowed_einsum_threshold_mib must be an int >= 0 (MiB) or None, got {value!r} "
-            f"of type {type(value).__name__}"
-        )
-    if value < 0:
-        raise ValueError(f"windowed_einsum_threshold_mib must be an int >= 0 (MiB), got {value}")
-    return value
+    from xla_permute.pairs import check_int
+
+    return check_int(value, "windowed_einsum_threshold_mib", 0)
 
 
 def _directory(value: object, name: str) -> str:

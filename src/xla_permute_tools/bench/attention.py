@@ -28,7 +28,7 @@ from typing import Any
 
 from xla_permute.debug import ENV as DEBUG_ENV
 from xla_permute.mesh.launch import run_on_mesh
-from xla_permute.tools.bench.measure import read_memory_report
+from xla_permute_tools.bench.measure import read_memory_report
 
 __all__ = ["ATTENTION_SHAPE", "attention_rank", "format_attention_report", "run_attention_bench"]
 

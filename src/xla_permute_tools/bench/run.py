@@ -1,6 +1,6 @@
 """The host side of the bench: launch the meshes, collect the figures into one result.
 
-:func:`run_bench` starts the launches described in :mod:`xla_permute.tools.bench` and returns
+:func:`run_bench` starts the launches described in :mod:`xla_permute_tools.bench` and returns
 plain data (JSON-ready); byte and permute-chain figures are read from the traced native HLO
 with :func:`xla_permute.hlo.account_bytes` and :func:`xla_permute.hlo.chain_report`.
 """
@@ -20,14 +20,14 @@ from typing import Any
 
 from xla_permute import hlo
 from xla_permute.debug import ENV as DEBUG_ENV
-from xla_permute.tools.bench.measure import (
+from xla_permute_tools.bench.measure import (
     REDUCE_DTYPES,
     TOKEN_ENV,
     TOKEN_VARIANTS,
     bench_rank,
     memory_rank,
 )
-from xla_permute.tools.bench.programs import (
+from xla_permute_tools.bench.programs import (
     MEMORY_PROGRAMS,
     PRESETS,
     PROGRAMS,
@@ -35,7 +35,7 @@ from xla_permute.tools.bench.programs import (
     BenchConfig,
     BenchProgram,
 )
-from xla_permute.tools.bench.report import checks, ratios
+from xla_permute_tools.bench.report import checks, ratios
 
 __all__ = ["BACKENDS", "print_progress", "run_bench"]
 
@@ -129,8 +129,14 @@ def run_bench(
     main = launch(
         f"{len(progs)} programs: emulated runs ({config.warmup} warm-up + {config.repeats} "
         f"timed), then native trace+compile ({config.compile_repeats} rounds)",
-        bench_rank, progs, cfg, run=True, native=True, n=config.n, env=default_env,
-    )  # fmt: skip
+        bench_rank,
+        progs,
+        cfg,
+        run=True,
+        native=True,
+        n=config.n,
+        env=default_env,
+    )
     sizes = memory_sizes(config)
 
     def memory_launch(size: int, variant: str) -> Any:
@@ -138,9 +144,13 @@ def run_bench(
         with tempfile.TemporaryDirectory(prefix="xla_permute_bench_dump_") as dump:
             return launch(
                 f"native compiles with XLA dumps, N={size}, {TOKEN_ENV}={value}",
-                memory_rank, progs + list(MEMORY_PROGRAMS), cfg, dump, n=size,
+                memory_rank,
+                progs + list(MEMORY_PROGRAMS),
+                cfg,
+                dump,
+                n=size,
                 env={"XLA_FLAGS": memory_flags(dump), TOKEN_ENV: value, **no_check},
-            )  # fmt: skip
+            )
 
     # The memory launches only compile, one rank at a time (memory_rank), and time nothing:
     # two of them at once use both cores of a small machine.
@@ -158,9 +168,14 @@ def run_bench(
     if config.scaling_n:
         scaling_raw = launch(
             f"native trace+compile at N={config.scaling_n}",
-            bench_rank, progs, cfg, run=False, native=True, n=config.scaling_n,
+            bench_rank,
+            progs,
+            cfg,
+            run=False,
+            native=True,
+            n=config.scaling_n,
             env=default_env,
-        )[0]  # fmt: skip
+        )[0]
 
     rank0 = main[0]
     rows = []
@@ -186,11 +201,12 @@ def run_bench(
                     "no_token": chain(p, memory["no_token"][0]["hlo"][p.name], config.n),
                 },
                 "same_as_baseline": (
-                    None if p.method == "baseline"
+                    None
+                    if p.method == "baseline"
                     else all(r["same_as_baseline"][p.name] for r in main)
                 ),
             }
-        )  # fmt: skip
+        )
     scaling = []
     if scaling_raw is not None:
         for p in progs:
@@ -268,14 +284,14 @@ def reduce_dtype_bytes(
     """Bytes each rank sends in matmul-reduce-scatter on bfloat16 inputs, per ``reduce_dtype``.
 
     ``sent``: from the traced native HLO (:func:`account`); ``expected``: ``N-1`` partial-sum
-    blocks of ``m f`` elements of :func:`xla_permute.matmul.partial_sum_dtype`'s dtype;
+    blocks of ``m f`` elements of :func:`xla_permute.reference.accumulation_dtype`'s dtype;
     ``model``: what the cost model charges (:attr:`xla_permute.cost.Workload.block_bytes`,
     from the same rule). The three must agree.
     """
     import torch
 
     from xla_permute import cost
-    from xla_permute.matmul import partial_sum_dtype
+    from xla_permute.reference import accumulation_dtype
 
     out = []
     n = config.n
@@ -284,12 +300,16 @@ def reduce_dtype_bytes(
             continue
         for label in REDUCE_DTYPES:
             reduce_dtype = None if label == "default" else getattr(torch, label)
-            element = partial_sum_dtype(torch.bfloat16, reduce_dtype)
+            element = accumulation_dtype(torch.bfloat16, reduce_dtype)
             work = cost.Workload(
-                m=config.m, k=config.k, n=config.f, n_devices=n, dtype_bytes=2,
+                m=config.m,
+                k=config.k,
+                n=config.f,
+                n_devices=n,
+                dtype_bytes=2,
                 op="matmul_reduce_scatter",
                 reduce_dtype_bytes=None if reduce_dtype is None else reduce_dtype.itemsize,
-            )  # fmt: skip
+            )
             out.append(
                 {
                     "name": p.name,

@@ -2,8 +2,8 @@
 
 Figure functions return a ``matplotlib.figure.Figure``; made with :func:`new_figure`, a
 notebook shows it as a PNG without pyplot. A script saves it with ``fig.savefig(path)``.
-Nothing here touches an XLA device. Per-rank tables (:func:`~xla_permute.tables.rank_table`,
-in :mod:`xla_permute.tables`) are reached from here too, as ``xp.figures.rank_table``.
+Nothing here touches an XLA device. Per-rank tables (:func:`~xla_permute_tools.tables.rank_table`,
+in :mod:`xla_permute_tools.tables`) are reached from here too, as ``xp.figures.rank_table``.
 
 >>> fig = pairs_figure([(0, 1), (1, 0), (2, 2)], n=4)   # a swap and a fixed point
 >>> arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
@@ -23,7 +23,7 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 from matplotlib.text import Text
 
 from xla_permute.pairs import PairsLike, check_groups, global_pairs
-from xla_permute.tables import RankTable, describe, rank_table  # noqa: F401  (xp.figures.rank_table)
+from xla_permute_tools.tables import RankTable, describe, rank_table  # noqa: F401  (xp.figures.rank_table)
 
 __all__ = [
     "new_figure",
@@ -232,8 +232,9 @@ def pipeline_schedule_figure(schedule, *, title: str | None = None) -> Figure:
     for r in range(p):
         label = f"idle {schedule.idle_ticks[r]}, peak {schedule.peak_in_flight[r]}"
         ax.text(ticks + 0.4, p - 0.57 - r, label, va="center", fontsize=MIN_FONT)
-    ax.set_yticks([p - 0.57 - r for r in range(p)], [f"rank {r}" for r in range(p)],
-                  fontsize=MIN_FONT)  # fmt: skip
+    ax.set_yticks(
+        [p - 0.57 - r for r in range(p)], [f"rank {r}" for r in range(p)], fontsize=MIN_FONT
+    )
     shown = range(0, ticks, max(1, ticks // 12))
     ax.set_xticks([t + 0.47 for t in shown], [str(t) for t in shown], fontsize=MIN_FONT)
     kinds = {w.kind for tick in schedule.work for cell in tick for w in units(cell)}
@@ -278,11 +279,27 @@ def ring_schedule_figure(n: int, kind: str = "all_gather", bidirectional: bool =
             width = 0.8 / len(step.blocks)
             for i, block in enumerate(step.blocks):
                 x0 = step.step - 0.4 + i * width
-                ax.add_patch(FancyBboxPatch((x0 + 0.02, r - 0.28), width - 0.04, 0.4,
-                                            boxstyle="round,pad=0.01", facecolor=colors(block % 10),
-                                            edgecolor="none", alpha=0.85))  # fmt: skip
-                ax.text(x0 + width / 2, r - 0.08, f"{letter}{block}", ha="center", va="center",
-                        color="white", fontsize=MIN_FONT, fontweight="bold")  # fmt: skip
+                ax.add_patch(
+                    FancyBboxPatch(
+                        (x0 + 0.02, r - 0.28),
+                        width - 0.04,
+                        0.4,
+                        boxstyle="round,pad=0.01",
+                        facecolor=colors(block % 10),
+                        edgecolor="none",
+                        alpha=0.85,
+                    )
+                )
+                ax.text(
+                    x0 + width / 2,
+                    r - 0.08,
+                    f"{letter}{block}",
+                    ha="center",
+                    va="center",
+                    color="white",
+                    fontsize=MIN_FONT,
+                    fontweight="bold",
+                )
             sends = " ".join("\u2193 r+1" if d == 1 else "\u2191 r-1" for d in step.sends)
             ax.text(
                 step.step, r + 0.3, sends, ha="center", va="center", fontsize=MIN_FONT, color="0.3"
@@ -295,8 +312,10 @@ def ring_schedule_figure(n: int, kind: str = "all_gather", bidirectional: bool =
     for spine in ax.spines.values():
         spine.set_visible(False)
     what = "all-gather-matmul" if kind == "all_gather" else "matmul-reduce-scatter"
-    ax.set_title(f"{what}, {'bi' if bidirectional else 'uni'}directional, N={n} "
-                 f"(from xla_permute.schedule)", fontsize=10)  # fmt: skip
+    ax.set_title(
+        f"{what}, {'bi' if bidirectional else 'uni'}directional, N={n} (from xla_permute.schedule)",
+        fontsize=10,
+    )
     return fig
 
 
@@ -336,8 +355,16 @@ def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
                 for a, i in enumerate(own):
                     for c, j in enumerate(held):
                         x0, y0 = hop.hop - 0.45 + c * size, r - 0.31 + a * size
-                        ax.add_patch(Rectangle((x0, y0), size, size, facecolor="white",
-                                               edgecolor="#bbbbbb", linewidth=0.6))  # fmt: skip
+                        ax.add_patch(
+                            Rectangle(
+                                (x0, y0),
+                                size,
+                                size,
+                                facecolor="white",
+                                edgecolor="#bbbbbb",
+                                linewidth=0.6,
+                            )
+                        )
                         if (i, j) not in kinds:
                             continue
                         color = _GROUP_COLORS[hop.source % len(_GROUP_COLORS)]
@@ -348,8 +375,15 @@ def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
                             else Rectangle((x0, y0), size, size, facecolor=color, alpha=0.85)
                         )
                         ax.add_patch(shape)
-                        ax.text(x0 + size / 2, y0 + size / 2, f"q{i}k{j}", ha="center",
-                                va="center", fontsize=MIN_FONT, color="black")  # fmt: skip
+                        ax.text(
+                            x0 + size / 2,
+                            y0 + size / 2,
+                            f"q{i}k{j}",
+                            ha="center",
+                            va="center",
+                            fontsize=MIN_FONT,
+                            color="black",
+                        )
                 ax.text(hop.hop + 0.45, r, f"{w:g}", ha="right", va="center", fontsize=MIN_FONT)
         for t in range(n):
             busiest += max(
@@ -408,8 +442,15 @@ def overlap_timeline_figure(chip: Any, work: Any) -> Figure:
     def bar(lane: str, start: float, length: float, kind: str, label: str = "") -> None:
         ax.barh(lanes[lane], length, left=start, height=0.7, color=colors[kind])
         if label and length > 0.06 * ring.total * us:
-            ax.text(start + length / 2, lanes[lane], label, ha="center", va="center",
-                    fontsize=MIN_FONT, color="white" if kind != "wait" else "black")  # fmt: skip
+            ax.text(
+                start + length / 2,
+                lanes[lane],
+                label,
+                ha="center",
+                va="center",
+                fontsize=MIN_FONT,
+                color="white" if kind != "wait" else "black",
+            )
 
     t = 0.0
     for s in all_gather_schedule(n, rank=0):
@@ -431,10 +472,18 @@ def overlap_timeline_figure(chip: Any, work: Any) -> Figure:
     for name, total in (("ring", ring.total), ("baseline", base.total)):
         y = lanes[f"{name}: link"] + 0.45
         ax.text(total * us, y, f" {total * us:.0f} us", va="bottom", fontsize=MIN_FONT)
-    handles = [Patch(color=c, label=k if k != "wait" else "hop latency + overhead")
-               for k, c in colors.items()]  # fmt: skip
-    ax.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, -0.28), ncol=3,
-              fontsize=MIN_FONT, frameon=False)  # fmt: skip
+    handles = [
+        Patch(color=c, label=k if k != "wait" else "hop latency + overhead")
+        for k, c in colors.items()
+    ]
+    ax.legend(
+        handles=handles,
+        loc="upper center",
+        bbox_to_anchor=(0.5, -0.28),
+        ncol=3,
+        fontsize=MIN_FONT,
+        frameon=False,
+    )
     ax.set_xlim(0, max(ring.total, base.total) * us * 1.15)
     ax.set_ylim(-0.6, 3.9)
     for side in ("top", "right"):

@@ -1,7 +1,7 @@
 """What the bench measures on a rank: run, trace and compile times, and peak memory.
 
 Rank functions for :func:`~xla_permute.mesh.launch.run_on_mesh` (the host side that launches them
-is :mod:`xla_permute.tools.bench.run`):
+is :mod:`xla_permute_tools.bench.run`):
 
 * :func:`bench_rank`: emulated runs on every rank (:func:`emulated_runs`), then native trace
   and compile rounds on rank 0 (:func:`native_rounds`), which also returns the traced HLO;
@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from xla_permute.hlo import tracing as hlo_tracing
-from xla_permute.tools.bench.programs import X_MODES, BenchProgram, build, inputs
+from xla_permute_tools.bench.programs import X_MODES, BenchProgram, build, inputs
 
 __all__ = [
     "TOKEN_ENV",
@@ -95,8 +95,11 @@ def reduce_dtype_hlo(programs: Sequence[BenchProgram], cfg: dict[str, int]) -> d
             x, w = x.to(torch.bfloat16), w.to(torch.bfloat16)
             with hlo_tracing():  # native: traced, never run
                 fn = getattr(matmul, p.function)
-                options = {} if p.method == "baseline" else {
-                    "bidirectional": p.method == "bi", "backend": "native"}  # fmt: skip
+                options = (
+                    {}
+                    if p.method == "baseline"
+                    else {"bidirectional": p.method == "bi", "backend": "native"}
+                )
                 y = fn(x, w, dim=0, reduce_dtype=reduce_dtype, **options)
             out[f"{p.name}|{label}"] = torch_xla._XLAC._get_xla_tensors_hlo([y])
             del y, x, w
@@ -209,7 +212,7 @@ def memory_rank(
 ) -> dict[str, Any]:
     """Rank function (run with ``XLA_FLAGS=--xla_dump_to=dump_dir``): each rank in turn (rank
     0 first; the others wait) compiles each native program once per x mode (``modes``, of
-    :data:`~xla_permute.tools.bench.programs.X_MODES`) and reads the
+    :data:`~xla_permute_tools.bench.programs.X_MODES`) and reads the
     memory report that compile wrote. The collective-matmul programs differ between ranks (the
     order in which a rank's blocks are concatenated depends on its rank), so every rank's is
     compiled; a program identical to an earlier rank's (the baselines) is taken from XLA's

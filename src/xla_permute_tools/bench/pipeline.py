@@ -150,7 +150,7 @@ def run_pipeline_bench(
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "result.json"
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-               f"--nproc-per-node={c.n}", "-m", "xla_permute.tools.bench.pipeline",
+               f"--nproc-per-node={c.n}", "-m", "xla_permute_tools.bench.pipeline",
                str(path), json.dumps(asdict(c))]  # fmt: skip
         env = {**os.environ, "OMP_NUM_THREADS": "1", "XLA_PERMUTE_DEBUG": "0"}
         say(f"{c.n} processes (torchrun, gloo), {len(STAGES_PER_RANK)} schedules")

@@ -10,8 +10,8 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from xla_permute.tools.bench.measure import TOKEN_ENV, TOKEN_VARIANTS
-from xla_permute.tools.bench.programs import BASELINES, X_MODES
+from xla_permute_tools.bench.measure import TOKEN_ENV, TOKEN_VARIANTS
+from xla_permute_tools.bench.programs import BASELINES, X_MODES
 
 __all__ = ["checks", "format_report", "ratios"]
 
@@ -30,14 +30,22 @@ def ratios(
     out: dict[str, Any] = {"n": {}, "scaling_n": {}, "memory": []}
     for size in memory:
         peaks = size["peak_bytes"]
-        out["memory"].append({
-            "n": size["n"],
-            "peak": {
-                name: {v: {m: max(peak[v][m]) / max(peaks[f"{name.split('/')[0]}/baseline"][v][m])
-                           for m in X_MODES} for v in TOKEN_VARIANTS}
-                for name, peak in peaks.items() if not name.endswith("/baseline")
-            },
-        })  # fmt: skip
+        out["memory"].append(
+            {
+                "n": size["n"],
+                "peak": {
+                    name: {
+                        v: {
+                            m: max(peak[v][m]) / max(peaks[f"{name.split('/')[0]}/baseline"][v][m])
+                            for m in X_MODES
+                        }
+                        for v in TOKEN_VARIANTS
+                    }
+                    for name, peak in peaks.items()
+                    if not name.endswith("/baseline")
+                },
+            }
+        )
     for table, key in ((rows, "n"), (scaling, "scaling_n")):
         named = _by_name(table)
         for r in table:
@@ -77,21 +85,27 @@ def memory_checks(memory: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
         for name in AT_MOST_BASELINE:
             if name in peak:
                 ratio = peak[name]["token"]["input"]
-                out.append({
-                    "check": f"{name} at N={n}: peak memory <= 1.0x the baseline's "
-                             "(token on, x an input)",
-                    "ok": ratio <= 1.0, "detail": f"{ratio:.3f}x",
-                })  # fmt: skip
+                out.append(
+                    {
+                        "check": f"{name} at N={n}: peak memory <= 1.0x the baseline's "
+                        "(token on, x an input)",
+                        "ok": ratio <= 1.0,
+                        "detail": f"{ratio:.3f}x",
+                    }
+                )
         for method in ("uni", "bi"):
             one, four = (peak.get(f"all_gather_matmul/{method}{c}") for c in ("", "/c4"))
             if one is None or four is None:
                 continue
             a, b = one["token"]["input"], four["token"]["input"]
-            out.append({
-                "check": f"all_gather_matmul/{method} at N={n}: peak memory with chunks=4 "
-                         "below chunks=1 (token on, x an input)",
-                "ok": b < a, "detail": f"{b:.3f}x vs {a:.3f}x of the baseline",
-            })  # fmt: skip
+            out.append(
+                {
+                    "check": f"all_gather_matmul/{method} at N={n}: peak memory with chunks=4 "
+                    "below chunks=1 (token on, x an input)",
+                    "ok": b < a,
+                    "detail": f"{b:.3f}x vs {a:.3f}x of the baseline",
+                }
+            )
     return out
 
 
@@ -105,13 +119,15 @@ def checks(
     ``ratios["memory"]`` (:func:`memory_checks`)."""
     out = memory_checks(memory)
     for r in reduce_bytes:
-        out.append({
-            "check": f"{r['name']}, bf16, reduce_dtype={r['reduce_dtype']}: bytes sent = "
-                     "partial_sum_dtype's = the cost model's",
-            "ok": r["sent"] == r["expected"] == r["model"],
-            "detail": f"{r['sent']} B sent, {r['expected']} B from partial_sum_dtype "
-                      f"({r['partial_sum_dtype']}), {r['model']} B in the cost model",
-        })  # fmt: skip
+        out.append(
+            {
+                "check": f"{r['name']}, bf16, reduce_dtype={r['reduce_dtype']}: bytes sent = "
+                "accumulation_dtype's = the cost model's",
+                "ok": r["sent"] == r["expected"] == r["model"],
+                "detail": f"{r['sent']} B sent, {r['expected']} B from accumulation_dtype "
+                f"({r['partial_sum_dtype']}), {r['model']} B in the cost model",
+            }
+        )
     named = _by_name(rows)
     for op in BASELINES:
         base = named.get(f"{op}/baseline")
@@ -128,24 +144,32 @@ def checks(
                 ok = ok and sent == expected
                 detail += f"; (N-1)/N of the gathered operand ({gathered} B) = {expected} B"
             out.append(
-                {"check": f"{r['name']}: bytes sent per rank = baseline's", "ok": ok,
-                 "detail": detail}
-            )  # fmt: skip
+                {
+                    "check": f"{r['name']}: bytes sent per rank = baseline's",
+                    "ok": ok,
+                    "detail": detail,
+                }
+            )
             out.append(
-                {"check": f"{r['name']}: emulated result = baseline's (exact)",
-                 "ok": bool(r["same_as_baseline"]), "detail": "integer-valued float32 inputs"}
-            )  # fmt: skip
+                {
+                    "check": f"{r['name']}: emulated result = baseline's (exact)",
+                    "ok": bool(r["same_as_baseline"]),
+                    "detail": "integer-valued float32 inputs",
+                }
+            )
     sc = _by_name(scaling)
     for op in BASELINES:
         for method in ("uni", "bi"):
             r, base = sc.get(f"{op}/{method}"), sc.get(f"{op}/baseline")
             if r is None or base is None:
                 continue
-            out.append({
-                "check": f"{r['name']} at N={r['n']}: bytes sent per rank = baseline's",
-                "ok": r["bytes_total"] == base["bytes_total"],
-                "detail": f"{r['bytes_total']} B vs baseline {base['bytes_total']} B",
-            })  # fmt: skip
+            out.append(
+                {
+                    "check": f"{r['name']} at N={r['n']}: bytes sent per rank = baseline's",
+                    "ok": r["bytes_total"] == base["bytes_total"],
+                    "detail": f"{r['bytes_total']} B vs baseline {base['bytes_total']} B",
+                }
+            )
     return out
 
 
@@ -286,7 +310,7 @@ def format_report(result: dict[str, Any]) -> str:
             "",
             f"Bytes each rank sends in matmul-reduce-scatter on bfloat16 x and w, N={n}, by "
             "reduce_dtype (native HLO; expected: N-1 partial-sum blocks of "
-            "xla_permute.matmul.partial_sum_dtype; model: the cost model's charge):",
+            "xla_permute.reference.accumulation_dtype; model: the cost model's charge):",
             "",
             "| program | reduce_dtype | partial sums | sent | expected | model |",
             "|---|---|---|---|---|---|",

@@ -41,8 +41,12 @@ from typing import Any
 __all__ = ["C10D_PRESETS", "C10dConfig", "format_c10d_report", "run_c10d_bench"]
 
 
-OPS = ("all_gather_matmul", "matmul_reduce_scatter", "attention forward",
-       "attention forward+backward")  # fmt: skip
+OPS = (
+    "all_gather_matmul",
+    "matmul_reduce_scatter",
+    "attention forward",
+    "attention forward+backward",
+)
 
 
 @dataclass(frozen=True)
@@ -92,7 +96,7 @@ C10D_PRESETS = {
         repeats=1,
         warmup=0,
         timeout=120.0,
-    ),  # fmt: skip
+    ),
 }
 
 #: (op, variant) pairs measured; "ring" and "baseline" side by side, "bi" beside them.
@@ -222,8 +226,9 @@ def worker(out: str, config: dict[str, Any]) -> None:
 
     from xla_permute.backends.c10d import c10d_backend
 
-    c = C10dConfig(**{**config, "processes": tuple(config["processes"]),
-                      "ops": tuple(config["ops"])})  # fmt: skip
+    c = C10dConfig(
+        **{**config, "processes": tuple(config["processes"]), "ops": tuple(config["ops"])}
+    )
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     torch.set_num_threads(1)
     rank, n = dist.get_rank(), dist.get_world_size()
@@ -238,8 +243,9 @@ def worker(out: str, config: dict[str, Any]) -> None:
         base = results[op, "baseline"]
         agree[op] = all(
             torch.allclose(results[op, v], base, rtol=1e-4, atol=1e-4)
-            for o, v in c.programs() if o == op and v != "baseline"
-        )  # fmt: skip
+            for o, v in c.programs()
+            if o == op and v != "baseline"
+        )
     times: dict[tuple[str, str], list[float]] = {key: [] for key in c.programs()}
     for rep in range(c.warmup + c.repeats):
         order = c.programs() if rep % 2 == 0 else tuple(reversed(c.programs()))
@@ -256,9 +262,12 @@ def worker(out: str, config: dict[str, Any]) -> None:
         with _Counting(backend, timeline) as counter:
             programs["all_gather_matmul", "ring"]()
             end = time.perf_counter() - counter.t0
-    mine = {"times": {"|".join(k): v for k, v in times.items()},
-            "sent": {"|".join(k): v for k, v in sent.items()},
-            "agree": agree, "timeline": {"hops": timeline, "end": end}}  # fmt: skip
+    mine = {
+        "times": {"|".join(k): v for k, v in times.items()},
+        "sent": {"|".join(k): v for k, v in sent.items()},
+        "agree": agree,
+        "timeline": {"hops": timeline, "end": end},
+    }
     everyone: list[Any] = [None] * n
     dist.all_gather_object(everyone, mine)
     if rank == 0:
@@ -271,11 +280,16 @@ def _summary(c: C10dConfig, n: int, ranks: list[dict[str, Any]]) -> dict[str, An
     for op, variant in c.programs():
         key = f"{op}|{variant}"
         slowest = [max(r["times"][key][i] for r in ranks) for i in range(c.repeats)]
-        rows.append({
-            "op": op, "variant": variant, "seconds": statistics.median(slowest),
-            "bytes_per_rank": ranks[0]["sent"][key] if variant != "baseline"
-            else _baseline_bytes(op, c, n),
-        })  # fmt: skip
+        rows.append(
+            {
+                "op": op,
+                "variant": variant,
+                "seconds": statistics.median(slowest),
+                "bytes_per_rank": ranks[0]["sent"][key]
+                if variant != "baseline"
+                else _baseline_bytes(op, c, n),
+            }
+        )
     for row in rows:
         base = next(r for r in rows if r["op"] == row["op"] and r["variant"] == "baseline")
         row["ratio"] = row["seconds"] / base["seconds"]
@@ -295,14 +309,23 @@ def run_c10d_bench(config: C10dConfig | None = None, progress: Callable | None =
     for n in c.processes:
         with tempfile.TemporaryDirectory() as tmp:
             path = Path(tmp) / "result.json"
-            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
-                   f"--nproc-per-node={n}", "-m", "xla_permute.tools.bench.c10d",
-                   str(path), json.dumps(asdict(c))]  # fmt: skip
+            cmd = [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                f"--nproc-per-node={n}",
+                "-m",
+                "xla_permute_tools.bench.c10d",
+                str(path),
+                json.dumps(asdict(c)),
+            ]
             env = {**os.environ, "OMP_NUM_THREADS": "1", "XLA_PERMUTE_DEBUG": "0"}
             say(f"{n} processes (torchrun, gloo)")
             start = time.monotonic()
-            done = subprocess.run(cmd, env=env, capture_output=True, text=True,
-                                  timeout=c.timeout, check=False)  # fmt: skip
+            done = subprocess.run(
+                cmd, env=env, capture_output=True, text=True, timeout=c.timeout, check=False
+            )
             if done.returncode != 0 or not path.exists():
                 raise RuntimeError(
                     f"the c10d bench launch with {n} processes failed (exit "
@@ -312,13 +335,17 @@ def run_c10d_bench(config: C10dConfig | None = None, progress: Callable | None =
             launch["launch_seconds"] = time.monotonic() - start
             out["launches"].append(launch)
     out["checks"] = [
-        {"name": f"ring all-gather-matmul <= 0.9x the baseline at N={la['n']}",
-         "ok": _ratio(la, "all_gather_matmul") <= 0.9}
-        for la in out["launches"] if "all_gather_matmul" in c.ops
+        {
+            "name": f"ring all-gather-matmul <= 0.9x the baseline at N={la['n']}",
+            "ok": _ratio(la, "all_gather_matmul") <= 0.9,
+        }
+        for la in out["launches"]
+        if "all_gather_matmul" in c.ops
     ] + [
         {"name": f"ring == baseline (allclose) for {op} at N={la['n']}", "ok": ok}
-        for la in out["launches"] for op, ok in sorted(la["agree"].items())
-    ]  # fmt: skip
+        for la in out["launches"]
+        for op, ok in sorted(la["agree"].items())
+    ]
     return out
 
 
@@ -342,11 +369,16 @@ def format_c10d_report(result: dict) -> str:
         f"(slowest rank)",
     ]
     for la in result["launches"]:
-        lines += ["", f"N={la['n']} processes", f"{'op':<28}{'variant':<10}{'ms':>9}"
-                  f"{'x baseline':>12}{'sent/rank':>14}"]  # fmt: skip
+        lines += [
+            "",
+            f"N={la['n']} processes",
+            f"{'op':<28}{'variant':<10}{'ms':>9}{'x baseline':>12}{'sent/rank':>14}",
+        ]
         for r in la["rows"]:
-            lines.append(f"{r['op']:<28}{r['variant']:<10}{1e3 * r['seconds']:>9.1f}"
-                         f"{r['ratio']:>11.2f}x{_mib(r['bytes_per_rank']):>14}")  # fmt: skip
+            lines.append(
+                f"{r['op']:<28}{r['variant']:<10}{1e3 * r['seconds']:>9.1f}"
+                f"{r['ratio']:>11.2f}x{_mib(r['bytes_per_rank']):>14}"
+            )
     lines += ["", "checks:"]
     lines += [f"  [{'ok' if ch['ok'] else 'FAILED'}] {ch['name']}" for ch in result["checks"]]
     return "\n".join(lines)

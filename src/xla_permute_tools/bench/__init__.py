@@ -35,7 +35,7 @@ Every figure names the backend that produced it:
   :func:`~xla_permute.hlo.account_bytes` (ring algorithms assumed for all-gather and
   reduce-scatter), per collective, per schedule step and in total; and matmul-reduce-scatter
   on bfloat16 inputs with ``reduce_dtype`` None (float32 partial sums) and bfloat16, checked
-  against :func:`~xla_permute.matmul.partial_sum_dtype` and the cost model's charge.
+  against :func:`~xla_permute.reference.accumulation_dtype` and the cost model's charge.
 * **run** (``emulated``): wall time of executing the program on the CPU mesh, where the
   permute is emulated by a channel-id all-gather that moves N times the data of a permute.
   Median over ``repeats`` after ``warmup`` runs, slowest rank. It measures the CPU emulation,
@@ -62,10 +62,10 @@ reports), ``run`` (the launches, :func:`run_bench`), ``report`` (ratios, checks,
 
 from __future__ import annotations
 
-from xla_permute.tools.bench.cli import add_arguments, config_from_args, run_from_args
-from xla_permute.tools.bench.programs import PRESETS, PROGRAMS, BenchConfig, BenchProgram
-from xla_permute.tools.bench.report import format_report
-from xla_permute.tools.bench.run import run_bench
+from xla_permute_tools.bench.cli import add_arguments, config_from_args, run_from_args
+from xla_permute_tools.bench.programs import PRESETS, PROGRAMS, BenchConfig, BenchProgram
+from xla_permute_tools.bench.report import format_report
+from xla_permute_tools.bench.run import run_bench
 
 __all__ = [
     "PRESETS",

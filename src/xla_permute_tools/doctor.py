@@ -3,14 +3,14 @@
 The environment is read without starting the XLA runtime (:func:`xla_permute.hardware.detect`),
 SPMD mode included; the caveats are those of the detected device type, or of ``device_type``:
 one line each (severity, id, summary), or their whole text with ``details``. The self-test is
-the table of ``python -m xla_permute demo`` (:mod:`xla_permute.tools.selftest`): it always runs
+the table of ``python -m xla_permute demo`` (:mod:`xla_permute_tools.selftest`): it always runs
 on an N-device CPU mesh, whatever accelerator this machine has.
 """
 
 from __future__ import annotations
 
 from xla_permute import hardware
-from xla_permute.tools import selftest
+from xla_permute_tools import selftest
 
 __all__ = ["main"]
 

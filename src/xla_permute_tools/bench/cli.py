@@ -15,9 +15,9 @@ import sys
 from dataclasses import asdict, replace
 from pathlib import Path
 
-from xla_permute.tools.bench.programs import PRESETS, BenchConfig
-from xla_permute.tools.bench.report import format_report
-from xla_permute.tools.bench.run import print_progress, run_bench
+from xla_permute_tools.bench.programs import PRESETS, BenchConfig
+from xla_permute_tools.bench.report import format_report
+from xla_permute_tools.bench.run import print_progress, run_bench
 
 __all__ = ["add_arguments", "config_from_args", "run_from_args"]
 
@@ -26,45 +26,55 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``python -m xla_permute bench`` (each overrides the preset)."""
     d = PRESETS["default"]
     parser.add_argument(
-        "--preset", choices=sorted(PRESETS), default="default",
+        "--preset",
+        choices=sorted(PRESETS),
+        default="default",
         help="sizes and repeats to start from ('tiny' is the smoke test)",
-    )  # fmt: skip
+    )
     parser.add_argument("-m", type=int, help=f"rows of this rank's x block (default {d.m})")
     parser.add_argument("-k", type=int, help=f"contracted dimension (default {d.k})")
     parser.add_argument("-f", type=int, help=f"columns of w (default {d.f})")
     parser.add_argument("-n", type=int, help=f"CPU devices of the main mesh (default {d.n})")
     parser.add_argument(
-        "--scaling-n", type=int,
+        "--scaling-n",
+        type=int,
         help=f"CPU devices of the trace+compile mesh; 0 skips it (default {d.scaling_n})",
-    )  # fmt: skip
+    )
     parser.add_argument("--repeats", type=int, help=f"timed runs (default {d.repeats})")
     parser.add_argument("--warmup", type=int, help=f"discarded runs/rounds (default {d.warmup})")
     parser.add_argument(
-        "--compile-repeats", type=int,
+        "--compile-repeats",
+        type=int,
         help=f"timed trace+compile rounds (default {d.compile_repeats})",
-    )  # fmt: skip
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results as JSON here")
     parser.add_argument(
-        "--attention", action="store_true",
+        "--attention",
+        action="store_true",
         help="instead: ring attention vs all-gather K/V, bytes and peak memory at N=4 and 8",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--aliasing", action="store_true",
+        "--aliasing",
+        action="store_true",
         help="instead: a training step with parameter aliasing off (the mesh's default) and on",
-    )  # fmt: skip
+    )
     parser.add_argument(
         "--pipeline", action="store_true",
         help="instead: step time of every pipeline schedule side by side on -n gloo processes",
     )  # fmt: skip
     parser.add_argument(
-        "--backend", choices=("xla", "c10d"), default="xla",
+        "--backend",
+        choices=("xla", "c10d"),
+        default="xla",
         help="xla: the CPU mesh (default); c10d: real processes on torch.distributed (gloo), "
         "ring vs baseline wall time at --processes",
-    )  # fmt: skip
+    )
     parser.add_argument(
-        "--processes", type=int, nargs="+",
+        "--processes",
+        type=int,
+        nargs="+",
         help="with --backend c10d: process counts, one torchrun launch each (default 2 4)",
-    )  # fmt: skip
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> BenchConfig:
@@ -96,7 +106,7 @@ def run_from_args(args: argparse.Namespace) -> int:
     if getattr(args, "backend", "xla") == "c10d":
         return _run_c10d(args)
     if getattr(args, "aliasing", False):
-        from xla_permute.tools.bench.aliasing import format_aliasing_report, run_aliasing_bench
+        from xla_permute_tools.bench.aliasing import format_aliasing_report, run_aliasing_bench
 
         result = run_aliasing_bench(config.n)
         print(format_aliasing_report(result))
@@ -104,7 +114,7 @@ def run_from_args(args: argparse.Namespace) -> int:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         return 0
     if getattr(args, "attention", False):
-        from xla_permute.tools.bench.attention import format_attention_report, run_attention_bench
+        from xla_permute_tools.bench.attention import format_attention_report, run_attention_bench
 
         result = run_attention_bench()
         print(format_attention_report(result))
@@ -122,7 +132,7 @@ def run_from_args(args: argparse.Namespace) -> int:
 
 def _run_pipeline(args: argparse.Namespace) -> int:
     """``bench --pipeline``: every schedule on torch.distributed (tools/bench/pipeline.py)."""
-    from xla_permute.tools.bench.pipeline import (
+    from xla_permute_tools.bench.pipeline import (
         config_with,
         format_pipeline_report,
         run_pipeline_bench,
@@ -143,14 +153,19 @@ def _run_pipeline(args: argparse.Namespace) -> int:
 
 def _run_c10d(args: argparse.Namespace) -> int:
     """``bench --backend c10d``: the rings on torch.distributed (tools/bench/c10d.py)."""
-    from xla_permute.tools.bench.c10d import config_with, format_c10d_report, run_c10d_bench
+    from xla_permute_tools.bench.c10d import config_with, format_c10d_report, run_c10d_bench
 
     processes = tuple(args.processes) if args.processes else None
     try:
         config = config_with(
-            "tiny" if args.preset == "tiny" else "default", m=args.m, k=args.k, f=args.f,
-            repeats=args.repeats, warmup=args.warmup, processes=processes,
-        )  # fmt: skip
+            "tiny" if args.preset == "tiny" else "default",
+            m=args.m,
+            k=args.k,
+            f=args.f,
+            repeats=args.repeats,
+            warmup=args.warmup,
+            processes=processes,
+        )
     except ValueError as e:
         print(f"bench: {e}", file=sys.stderr)
         return 2

@@ -1,9 +1,9 @@
 """The cost model next to published measurements, each row saying how it relates to them.
 
-:func:`~xla_permute.cost.validation_table` lists published times (the scaling book's TPU
+:func:`validation_table` lists published times (the scaling book's TPU
 example, the JAX Pallas Mosaic GPU collective matmul on H100) with the model's predictions;
 ``kind`` tells a real prediction from a fit (the figure set a model input) and an identity.
-:func:`~xla_permute.cost.scaling_book_chip_check` asks which TPU the book's example ran on.
+:func:`scaling_book_chip_check` asks which TPU the book's example ran on.
 
 >>> rows = validation_table()
 >>> sorted({r.kind for r in rows})
@@ -133,21 +133,57 @@ def validation_table() -> list[ValidationRow]:
     src = "scaling book"
     ideal = matmul_time(v5e, _BOOK_B / _BOOK_X, _BOOK_D, _BOOK_F / _BOOK_Y, 4, efficiency=eff)
     rows += [
-        ValidationRow(src, "matmul, contracting dim unsharded", "tpu-v5e", 224, ideal * 1e6,
-                      "fit", "sets the int32 matmul rate", SCALING_BOOK_JAX),
-        ValidationRow(src, "all-gather + matmul (default jit)", "tpu-v5e", 311,
-                      baseline_time(v5e, work, efficiency=eff) * 1e6, "prediction",
-                      "axis of 4 without wraparound", SCALING_BOOK_JAX),
-        ValidationRow(src, "collective matmul (ppermute, uni)", "tpu-v5e", 244,
-                      collective_matmul_time(v5e, work, efficiency=eff) * 1e6, "prediction",
-                      "", SCALING_BOOK_JAX),
-        ValidationRow(src, "all-gather bf16[2048,8192] over 4", "tpu-v5e", 680,
-                      ring_collective_time(v5e, 512 * 8192 * 2, 4, wraparound=False) * 1e6,
-                      "prediction", "comm only", SCALING_BOOK_SHARDING),
-        ValidationRow(src, "all-gather bf16[256,256] over 4", "tpu-v5e", 8,
-                      ring_collective_time(v5e, 64 * 256 * 2, 4, wraparound=False) * 1e6,
-                      "fit", "sets the per-op overhead", SCALING_BOOK_SHARDING),
-    ]  # fmt: skip
+        ValidationRow(
+            src,
+            "matmul, contracting dim unsharded",
+            "tpu-v5e",
+            224,
+            ideal * 1e6,
+            "fit",
+            "sets the int32 matmul rate",
+            SCALING_BOOK_JAX,
+        ),
+        ValidationRow(
+            src,
+            "all-gather + matmul (default jit)",
+            "tpu-v5e",
+            311,
+            baseline_time(v5e, work, efficiency=eff) * 1e6,
+            "prediction",
+            "axis of 4 without wraparound",
+            SCALING_BOOK_JAX,
+        ),
+        ValidationRow(
+            src,
+            "collective matmul (ppermute, uni)",
+            "tpu-v5e",
+            244,
+            collective_matmul_time(v5e, work, efficiency=eff) * 1e6,
+            "prediction",
+            "",
+            SCALING_BOOK_JAX,
+        ),
+        ValidationRow(
+            src,
+            "all-gather bf16[2048,8192] over 4",
+            "tpu-v5e",
+            680,
+            ring_collective_time(v5e, 512 * 8192 * 2, 4, wraparound=False) * 1e6,
+            "prediction",
+            "comm only",
+            SCALING_BOOK_SHARDING,
+        ),
+        ValidationRow(
+            src,
+            "all-gather bf16[256,256] over 4",
+            "tpu-v5e",
+            8,
+            ring_collective_time(v5e, 64 * 256 * 2, 4, wraparound=False) * 1e6,
+            "fit",
+            "sets the per-op overhead",
+            SCALING_BOOK_SHARDING,
+        ),
+    ]
     h100 = CHIPS["h100"]
     src = "JAX Pallas MGPU"
     published = {2: (102, 92, 147), 4: (212, 190, 290), 8: (436, 386, 565)}
@@ -155,14 +191,37 @@ def validation_table() -> list[ValidationRow]:
         work = Workload(m=1024, k=4096, n=4096, n_devices=n, dtype_bytes=2)
         cm = collective_matmul_time(h100, work) * 1e6
         rows += [
-            ValidationRow(src, f"lower bound, {n} GPUs", "h100", bound, cm, "identity",
-                          "N x 43 us + (N-1) x 6 us", JAX_MGPU_COLLECTIVE_MATMUL),
-            ValidationRow(src, f"fused kernel, {n} GPUs", "h100", fused, cm, "prediction", "",
-                          JAX_MGPU_COLLECTIVE_MATMUL),
-            ValidationRow(src, f"NCCL all-gather + cuBLAS, {n} GPUs", "h100", nccl,
-                          baseline_time(h100, work) * 1e6, "prediction",
-                          "link peak bandwidth assumed", JAX_MGPU_COLLECTIVE_MATMUL),
-        ]  # fmt: skip
+            ValidationRow(
+                src,
+                f"lower bound, {n} GPUs",
+                "h100",
+                bound,
+                cm,
+                "identity",
+                "N x 43 us + (N-1) x 6 us",
+                JAX_MGPU_COLLECTIVE_MATMUL,
+            ),
+            ValidationRow(
+                src,
+                f"fused kernel, {n} GPUs",
+                "h100",
+                fused,
+                cm,
+                "prediction",
+                "",
+                JAX_MGPU_COLLECTIVE_MATMUL,
+            ),
+            ValidationRow(
+                src,
+                f"NCCL all-gather + cuBLAS, {n} GPUs",
+                "h100",
+                nccl,
+                baseline_time(h100, work) * 1e6,
+                "prediction",
+                "link peak bandwidth assumed",
+                JAX_MGPU_COLLECTIVE_MATMUL,
+            ),
+        ]
     return rows
 
 
