@@ -402,17 +402,8 @@ def _agree(op: str, q: torch.Tensor, k: torch.Tensor, ring_: Ring, **opts: Any) 
     groups and options, each on its own device; else raise on every rank at the boundary."""
     from xla_permute import debug
 
-    fields = {
-        "q.shape": tuple(q.shape),
-        "k.shape": tuple(k.shape),
-        "q.dtype": str(q.dtype),
-        "groups": ring_.groups,
-        "backend": ring_.backend.name,
-        **{name: (str(v) if isinstance(v, float) else v) for name, v in opts.items()},
-    }
-    errors = [ring_.backend.device_error(q, "q"), ring_.backend.device_error(k, "k")]
-    error = next((e for e in errors if e is not None), None)
-    debug.check_agreement(op, fields, error=error, backend=ring_.backend)
+    options = {"groups": ring_.groups, "backend": ring_.backend.name, **opts}
+    debug.agree(op, {"q": q, "k": k}, options, backend=ring_.backend)
 
 
 def _positions(n: int, rank: int, layout: str, length: int) -> torch.Tensor:

@@ -75,24 +75,15 @@ class _ReduceScatter(torch.autograd.Function):
         return back, None, None, None
 
 
-def _agree(op: str, fields: dict[str, Any], x: torch.Tensor, backend: CommBackend) -> None:
-    """Debug mode (:mod:`xla_permute.debug`): every rank passes the same ``fields`` and ``x``
-    on its own device; else raise on every rank before the collective."""
-    from xla_permute import debug
-
-    debug.check_agreement(op, fields, error=backend.device_error(x), backend=backend)
-
-
 def _agree_dim(
     op: str, x: torch.Tensor, dim: int, groups: CheckedGroups, backend: CommBackend
 ) -> None:
-    fields = {
-        "x.shape": tuple(x.shape),
-        "x.dtype": str(x.dtype),
-        "dim": dim,
-        "groups": [list(g) for g in groups],
-    }
-    _agree(op, fields, x, backend)
+    """The agreement check (:mod:`xla_permute.debug`): every rank passes the same shape, dtype,
+    dim and groups, and its own device; else every rank raises before the collective."""
+    from xla_permute import debug
+
+    options = {"dim": dim, "groups": [list(g) for g in groups]}
+    debug.agree(op, {"x": x}, options, backend=backend)
 
 
 def _begin(x: object, dim: object, groups: Groups, backend: str, op: str) -> tuple[Any, ...]:
@@ -222,12 +213,9 @@ def all_reduce(x: torch.Tensor, *, groups: Groups = None, backend: str = "auto")
     """
     chosen = check_tensor(x, "x", backend)
     checked = check_groups(groups, chosen.world_size())
-    fields = {
-        "x.shape": tuple(x.shape),
-        "x.dtype": str(x.dtype),
-        "groups": [list(g) for g in checked],
-    }
-    _agree("all_reduce", fields, x, chosen)
+    from xla_permute import debug
+
+    debug.agree("all_reduce", {"x": x}, {"groups": [list(g) for g in checked]}, backend=chosen)
     if x.numel() == 0 or len(checked[0]) == 1:
         return x.clone()
     return _AllReduce.apply(x, checked, chosen)
@@ -274,8 +262,10 @@ def all_reduce_gradients(
     described = [
         None if p.grad is None else (tuple(p.grad.shape), str(p.grad.dtype)) for p in params
     ]
-    fields = {"gradients": repr(described), "groups": [list(g) for g in checked]}
-    _agree("all_reduce_gradients", fields, grads[0], chosen)
+    from xla_permute import debug
+
+    options = {"gradients": repr(described), "groups": [list(g) for g in checked]}
+    debug.agree("all_reduce_gradients", {"parameters[0].grad": grads[0]}, options, backend=chosen)
     if len(checked[0]) == 1:
         return
     with torch.no_grad():

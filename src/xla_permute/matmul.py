@@ -124,19 +124,8 @@ def _agree(
     the first collective (and before the shortcut for empty inputs)."""
     from xla_permute import debug
 
-    shapes = tuple(ws[0].shape) if len(ws) == 1 else tuple(tuple(w.shape) for w in ws)
-    fields = {
-        "x.shape": tuple(x.shape),
-        "x.dtype": str(x.dtype),
-        "w.shape": shapes,
-        "w.dtype": str(ws[0].dtype),
-        "dim": dim,
-        "groups": ring.groups,
-        **{name: (str(v) if isinstance(v, torch.dtype) else v) for name, v in opts.items()},
-    }
-    errors = [ring.backend.device_error(x), *(ring.backend.device_error(w, "w") for w in ws)]
-    error = next((e for e in errors if e is not None), None)
-    debug.check_agreement(op, fields, error=error, backend=ring.backend)
+    tensors = {"x": x, "w": ws[0] if len(ws) == 1 else ws}
+    debug.agree(op, tensors, {"dim": dim, "groups": ring.groups, **opts}, backend=ring.backend)
 
 
 def _check_chunks(chunks: object, x: torch.Tensor, dim: int) -> None:

@@ -120,12 +120,14 @@ def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBacke
             f"torch_xla collectives on XLA tensors; use backend='c10d' (or 'auto') for "
             f"{x.device.type} tensors on the torch.distributed process group"
         )
-    if backend in ("native", "emulated") or (backend == "auto" and not ready):
+    xla = backend in ("native", "emulated") or (backend == "auto" and not ready)
+    if xla:  # before get_backend, which starts the XLA runtime
         from xla_permute.backends.xla import check_xla_tensor
 
         check_xla_tensor(x, name)
     chosen = get_backend(backend, x)
-    chosen.check_tensor(x, name)
+    if not xla:
+        chosen.check_tensor(x, name)
     return chosen
 
 
