@@ -29,7 +29,7 @@ demo: $(STAMP)
 # tests/test_reliability.py: its launch failed in the first of ten runs beside the other
 # modules (its output was lost; unexplained, and not seen again in 64 runs under load).
 test: $(STAMP)
-	$(BIN)/python -m pytest -n 2 --dist loadfile tests src/xla_permute \
+	$(BIN)/python -m pytest -n 2 --dist loadfile tests src/xla_permute src/xla_permute_tools \
 	    --ignore tests/test_reliability.py
 	$(BIN)/python -m pytest tutorials docs/index.md tests/test_reliability.py
 

@@ -1,4 +1,4 @@
-"""Pipeline schedules as data (xla_permute.pipeline_schedule): properties, formulas, refusals.
+"""Pipeline schedules as data (xla_permute.pipeline.schedule): properties, formulas, refusals.
 
 Pure Python, no device. Every schedule drawn by hypothesis must run each (micro-batch, stage)
 forward once and backward once on the rank that holds the stage, respect the dependencies (a
@@ -17,8 +17,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from xla_permute import SCHEDULES, Overlap, PipelineSchedule, Work, make_schedule, split_layers
-from xla_permute.pipeline_orders import theory_bubble_fraction
-from xla_permute.pipeline_schedule import units
+from xla_permute.pipeline.orders import theory_bubble_fraction
+from xla_permute.pipeline.schedule import units
 
 
 @st.composite

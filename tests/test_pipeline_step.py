@@ -27,7 +27,7 @@ from pipeline_llama import llama_batch, llama_problems
 from pipeline_model import example_batch, step_problems, training_problems
 
 from xla_permute import make_schedule, run_on_mesh
-from xla_permute.pipeline_orders import theory_bubble_fraction
+from xla_permute.pipeline.orders import theory_bubble_fraction
 
 N = 4
 

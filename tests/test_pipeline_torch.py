@@ -23,7 +23,7 @@ import logging
 import pytest
 
 from xla_permute import Overlap, Work, make_schedule
-from xla_permute.pipeline_schedule import play
+from xla_permute.pipeline.schedule import play
 
 visualizer = pytest.importorskip("torch.distributed.pipelining._schedule_visualizer")
 

@@ -14,7 +14,7 @@ import torch
 
 from xla_permute import reference, run_on_mesh
 from xla_permute.pairs import decompose, forms_complete_rings, inverse_pairs, is_ring
-from xla_permute.shift import check_offset, resolve_wrap, shift_pairs
+from xla_permute.pipeline.shift import check_offset, resolve_wrap, shift_pairs
 
 N = 4
 GROUPINGS = {

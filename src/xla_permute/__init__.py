@@ -63,12 +63,15 @@ from xla_permute.pairs import (
 from xla_permute.permute import collective_permute
 
 # Pipeline parallelism on stage shifts: its groups and GPipe's forward
-from xla_permute.pipeline import pipeline_forward, pipeline_groups
+from xla_permute.pipeline.forward import pipeline_forward, pipeline_groups
 
 # Pipeline schedules as data: each rank's orders and the schedules they play out
-from xla_permute.pipeline_orders import SCHEDULES, make_schedule, split_layers
-from xla_permute.pipeline_run import PipelineStep, pipeline_step
-from xla_permute.pipeline_schedule import Overlap, PipelineSchedule, Work
+from xla_permute.pipeline.orders import SCHEDULES, make_schedule, split_layers
+from xla_permute.pipeline.run import PipelineStep, pipeline_step
+from xla_permute.pipeline.schedule import Overlap, PipelineSchedule, Work
+
+# Pipeline stages without send/recv
+from xla_permute.pipeline.shift import shift_pairs, stage_shift
 
 # Ring schedules of collective matmul and ring attention, as data
 from xla_permute.schedule import (
@@ -84,9 +87,6 @@ from xla_permute.schedule import (
 
 # Split a sequence over ranks and put it back (host, pure torch)
 from xla_permute.sequence import shard_sequence, unshard_sequence
-
-# Pipeline stages without send/recv
-from xla_permute.shift import shift_pairs, stage_shift
 
 #: Submodules reached as attributes (imported on first use): ``xp.hardware.caveats()``, ...
 _SUBMODULES = ("reference", "hardware", "hlo", "cost", "figures")

@@ -188,14 +188,14 @@ def pairs_figure(
 
 
 def pipeline_schedule_figure(schedule, *, title: str | None = None) -> Figure:
-    """A :class:`~xla_permute.pipeline_schedule.PipelineSchedule` as a grid: ranks (rows) by
+    """A :class:`~xla_permute.pipeline.schedule.PipelineSchedule` as a grid: ranks (rows) by
     ticks (columns), each rank's idle ticks and peak activations beside its row.
 
     A cell holds the micro-batch: forward blue, backward (``B``) orange, input gradient
     (``I``) red, weight gradient (``W``) green, darker for a rank's later stages; an
     overlapped tick (DualPipeV) is split, forward on top; blank is the bubble.
 
-    >>> from xla_permute.pipeline_orders import make_schedule
+    >>> from xla_permute.pipeline.orders import make_schedule
     >>> fig = pipeline_schedule_figure(make_schedule("1f1b", 4, 8))
     >>> texts = [t.get_text() for t in fig.axes[0].texts]
     >>> texts.count("7"), texts[-1]
@@ -203,7 +203,7 @@ def pipeline_schedule_figure(schedule, *, title: str | None = None) -> Figure:
     """
     from matplotlib.patches import Rectangle
 
-    from xla_permute.pipeline_schedule import units
+    from xla_permute.pipeline.schedule import units
 
     p, ticks, v = schedule.ranks, schedule.ticks, schedule.stages_per_rank
     fig = new_figure(figsize=(min(MAX_WIDTH, 0.3 * ticks + 2.4), 0.42 * p + 1.5))

@@ -1,6 +1,6 @@
 """Step time of a pipeline schedule per chip, from the schedule's own data.
 
-The schedule (:mod:`xla_permute.pipeline_schedule`) says which work each rank runs in which
+The schedule (:mod:`xla_permute.pipeline.schedule`) says which work each rank runs in which
 order; this module gives each unit a duration and plays it out. A forward of one micro-batch on
 one stage takes ``t_forward / v`` (``t_forward``: a rank's whole ``1/p`` of the model, in ``v``
 stages), a backward ``B`` ``backward_ratio`` times that (2 for a transformer without
@@ -24,7 +24,7 @@ activations a rank holds, ``max(schedule.peak_in_flight) / v``.
 Not modelled: weights, gradients and optimizer state (the same for every schedule), the loss
 head's size, recomputation, overlap of a shift with the next unit's compute.
 
->>> from xla_permute.pipeline_orders import make_schedule
+>>> from xla_permute.pipeline.orders import make_schedule
 >>> s = make_schedule("1f1b", 4, 8)
 >>> step_time(s, t_forward=1.0, backward_ratio=1.0) == s.ticks  # unit ticks, no shift cost
 True
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_permute.pipeline_orders import make_schedule
-from xla_permute.pipeline_schedule import PipelineSchedule, units
+from xla_permute.pipeline.orders import make_schedule
+from xla_permute.pipeline.schedule import PipelineSchedule, units
 
 __all__ = [
     "PipelinePrediction",
@@ -135,7 +135,7 @@ def predict_pipeline(
     lockstep: bool = False,
 ) -> PipelinePrediction:
     """:func:`step_time` and the memory of the schedule ``name`` (see
-    :func:`xla_permute.pipeline_orders.make_schedule`).
+    :func:`xla_permute.pipeline.orders.make_schedule`).
 
     >>> one = predict_pipeline("1f1b", 8, 32)
     >>> two = predict_pipeline("interleaved", 8, 32, 2)

@@ -2,7 +2,7 @@
 
 This is the part of :mod:`xla_permute.hardware` that the ops import
 (:func:`~xla_permute.permute.collective_permute` calls :func:`check_device_pairs` on its native
-backend; :func:`~xla_permute.shift.stage_shift` asks :func:`requires_complete_rings`). It
+backend; :func:`~xla_permute.pipeline.shift.stage_shift` asks :func:`requires_complete_rings`). It
 depends on :mod:`xla_permute.pairs` only and never imports ``torch_xla``.
 
 Which checks raise and which warn:

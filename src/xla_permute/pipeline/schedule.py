@@ -14,12 +14,12 @@ and ``W`` (the weight gradient, which nobody waits for, so a schedule may run it
 of two stages in one tick) or nothing (the bubble). After a tick every unit hands its output on:
 a forward its activation to the next stage, a ``B`` or ``I`` the input gradient to the previous
 one. A hand-off to another rank goes ``+1`` or ``-1`` ranks; all of a tick's hand-offs one way
-are **one** :func:`~xla_permute.shift.stage_shift` (two tensors from one rank the same way, as
-in an overlapped tick of DualPipeV, travel stacked in that one permute); a hand-off that stays
-on its rank (the V's turn) is no shift at all.
+are **one** :func:`~xla_permute.pipeline.shift.stage_shift` (two tensors from one rank the same
+way, as in an overlapped tick of DualPipeV, travel stacked in that one permute); a hand-off that
+stays on its rank (the V's turn) is no shift at all.
 
 Each schedule is each rank's **order** of work (the policy, in
-:mod:`xla_permute.pipeline_orders`) played out tick by tick: a rank runs its next cell as soon
+:mod:`xla_permute.pipeline.orders`) played out tick by tick: a rank runs its next cell as soon
 as its inputs arrived (a forward needs the previous stage's forward one tick earlier; ``B`` or
 ``I`` the next stage's ``B`` or ``I`` one tick earlier, or, on the last stage, its own forward;
 ``W`` its own ``I``). Every unit takes one tick. Counted from the data:
@@ -27,7 +27,7 @@ as its inputs arrived (a forward needs the previous stage's forward one tick ear
 (the activations a rank holds: a forward adds one, ``B`` or ``W`` frees it; ``I`` keeps it for
 ``W``).
 
->>> from xla_permute.pipeline_orders import make_schedule
+>>> from xla_permute.pipeline.orders import make_schedule
 >>> s = make_schedule("1f1b", ranks=2, micro_batches=3)
 >>> [" ".join(str(w) if w else "." for w in tick) for tick in s.work]
 ['0F0 .', '0F1 1F0', '. 1B0', '0B0 1F1', '0F2 1B1', '0B1 1F2', '. 1B2', '0B2 .']

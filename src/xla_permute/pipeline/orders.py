@@ -1,6 +1,6 @@
 """The schedules' policies: each rank's order of work, played out by
-:func:`~xla_permute.pipeline_schedule.play` into a
-:class:`~xla_permute.pipeline_schedule.PipelineSchedule`.
+:func:`~xla_permute.pipeline.schedule.play` into a
+:class:`~xla_permute.pipeline.schedule.PipelineSchedule`.
 
 * ``"gpipe"``: every forward, then every backward (last micro-batch first);
 * ``"1f1b"`` (PipeDream-flush, Megatron's non-interleaved schedule): ``p - r - 1`` warm-up
@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from fractions import Fraction
 
-from xla_permute.pipeline_schedule import Cell, Overlap, PipelineSchedule, Work, check_count, play
+from xla_permute.pipeline.schedule import Cell, Overlap, PipelineSchedule, Work, check_count, play
 
 __all__ = ["SCHEDULES", "make_schedule", "split_layers", "theory_bubble_fraction"]
 
@@ -196,7 +196,7 @@ def _dualpipev(p: int, m: int, v: int) -> list[list[Cell]]:
     """DualPipeV (DeepSeek-V3's DualPipe folded onto ``p`` ranks in a V, arXiv 2412.19437, as
     PyTorch and deepseek-ai/DualPipe order it): forwards of the first stage, then of both;
     ``I W F`` on the second stage; the steady state overlaps a forward of one stage with a
-    full backward of the other in one tick (:class:`~xla_permute.pipeline_schedule.Overlap`);
+    full backward of the other in one tick (:class:`~xla_permute.pipeline.schedule.Overlap`);
     the cool-down runs backwards, half of them split into ``I`` and a ``W`` held back."""
     orders: list[list[Cell]] = []
     for r in range(p):

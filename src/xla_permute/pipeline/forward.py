@@ -3,12 +3,12 @@
 :func:`pipeline_forward` runs GPipe's forward as one SPMD tick loop, the backward left to
 autograd (a shift's backward is the opposite shift); :func:`pipeline_groups` splits the ranks
 into pipelines. The training step of any schedule is
-:func:`~xla_permute.pipeline_run.pipeline_step`.
+:func:`~xla_permute.pipeline.run.pipeline_step`.
 
 A pipeline of ``S`` stages runs one stage per rank. ``M`` micro-batches flow through it in
 ``M + S - 1`` forward *ticks*: at tick ``t`` stage ``s`` works on micro-batch ``t - s`` (when
 ``0 <= t - s < M``, else it idles), then every stage hands its activation to the next stage at
-once with one :func:`~xla_permute.shift.stage_shift`. The backward is autograd through the
+once with one :func:`~xla_permute.pipeline.shift.stage_shift`. The backward is autograd through the
 same ticks in reverse: the backward of each shift is the opposite shift, so the gradients flow back
 stage by stage without any code of ours.
 
@@ -18,9 +18,9 @@ Idle stages compute on whatever they hold and the results are masked out, with m
 device data (never Python branches on the rank), so every rank traces the same program.
 
 The forward ticks are the first ``M + S - 1`` ticks of GPipe's schedule, the data
-:func:`~xla_permute.pipeline_orders.make_schedule` builds and the figures draw:
+:func:`~xla_permute.pipeline.orders.make_schedule` builds and the figures draw:
 
->>> from xla_permute.pipeline_orders import make_schedule
+>>> from xla_permute.pipeline.orders import make_schedule
 >>> s = make_schedule("gpipe", ranks=3, micro_batches=2)
 >>> [" ".join(str(w) if w else "." for w in tick) for tick in s.work[:4]]
 ['0F0 . .', '0F1 1F0 .', '. 1F1 2F0', '. . 2F1']
@@ -35,9 +35,9 @@ from collections.abc import Callable
 import torch
 
 from xla_permute.backends.select import BackendName as Backend
-from xla_permute.pipeline_orders import make_schedule
-from xla_permute.pipeline_schedule import check_count
-from xla_permute.shift import resolve_wrap, stage_shift
+from xla_permute.pipeline.orders import make_schedule
+from xla_permute.pipeline.schedule import check_count
+from xla_permute.pipeline.shift import resolve_wrap, stage_shift
 
 __all__ = ["pipeline_forward", "pipeline_groups"]
 
@@ -95,14 +95,15 @@ def pipeline_forward(
             ``M = 0`` (or an empty activation) gives the empty result without a collective.
         stages: stages per pipeline; must divide the world size (``None``: all ranks). With
             fewer stages than ranks, consecutive blocks of ranks form independent pipelines.
-        wrap: the form of the stage shifts (see :func:`~xla_permute.shift.stage_shift`);
+        wrap: the form of the stage shifts (see :func:`~xla_permute.pipeline.shift.stage_shift`);
             ``None`` follows the hardware rules.
         backend: ``"auto"``, ``"native"`` or ``"emulated"``.
 
     Returns:
         ``(M, *shape)``: on the last stage, the pipeline's output for every micro-batch
         (``stage_{S-1}(... stage_0(inputs[m]))``); zeros on the other stages. Backward:
-        through :func:`~xla_permute.shift.stage_shift`, whose backward is the opposite shift.
+        through :func:`~xla_permute.pipeline.shift.stage_shift`, whose backward is the opposite
+        shift.
 
     Raises:
         TypeError: ``stage`` is not callable, ``wrap`` no bool (or None), ``stages`` no int.

@@ -1,6 +1,6 @@
 """A training step of any pipeline schedule on stage shifts: :func:`pipeline_step`.
 
-Each rank runs its own column of a :class:`~xla_permute.pipeline_schedule.PipelineSchedule`
+Each rank runs its own column of a :class:`~xla_permute.pipeline.schedule.PipelineSchedule`
 (GPipe, 1F1B, interleaved 1F1B, Looped BFS, ZB-H1, ZB1P, ZB-V, DualPipeV, or one of your own):
 forwards, fused backwards ``B``, input gradients ``I`` and weight gradients ``W`` as the
 schedule orders them, gradients accumulated over micro-batches, and every rank issues the
@@ -15,10 +15,10 @@ from dataclasses import dataclass
 import torch
 
 from xla_permute.backends.select import BackendName as Backend
-from xla_permute.pipeline import pipeline_groups
-from xla_permute.pipeline_orders import SCHEDULES, make_schedule
-from xla_permute.pipeline_schedule import Cell, PipelineSchedule, units
-from xla_permute.shift import resolve_wrap, stage_shift
+from xla_permute.pipeline.forward import pipeline_groups
+from xla_permute.pipeline.orders import SCHEDULES, make_schedule
+from xla_permute.pipeline.schedule import Cell, PipelineSchedule, units
+from xla_permute.pipeline.shift import resolve_wrap, stage_shift
 
 __all__ = ["PipelineStep", "pipeline_step"]
 
@@ -172,13 +172,13 @@ def pipeline_step(
         loss = sum(loss_fn(model(inputs[i]), targets[i]) for i in range(M)); loss.backward()
 
     where ``model`` is the stages ``0 .. S-1`` in a row, placed on the ranks as the schedule
-    says (:meth:`~xla_permute.pipeline_schedule.PipelineSchedule.stages_of`). The gradients
+    says (:meth:`~xla_permute.pipeline.schedule.PipelineSchedule.stages_of`). The gradients
     accumulate into the stages' parameters (``.grad``), as ``loss.backward()`` would: zero
     them between steps as usual (``optimizer.zero_grad()``).
 
     Each rank runs its own column of the schedule (per tick a forward ``F``, a backward ``B``,
     an input gradient ``I``, a weight gradient ``W``, or nothing) and every rank issues the
-    same shifts in the same order: after a tick, one :func:`~xla_permute.shift.stage_shift`
+    same shifts in the same order: after a tick, one :func:`~xla_permute.pipeline.shift.stage_shift`
     ``+1`` when some rank hands on to the next rank, one ``-1`` when some rank hands back. A
     rank idle in that tick still takes part (it sends zeros). ``I`` is
     ``torch.autograd.grad(y, x, dy, retain_graph=True)`` (the stage input's gradient, the
@@ -206,8 +206,8 @@ def pipeline_step(
             (``inputs.shape[1:]``, ``inputs.dtype``); ``"infer"``: what stage 0 returns for
             the first micro-batch (one more forward of stage 0 without gradient, on its rank,
             and one small all-gather that tells every rank of the pipeline, before the step).
-        schedule: a name of :data:`~xla_permute.pipeline_orders.SCHEDULES` or a
-            :class:`~xla_permute.pipeline_schedule.PipelineSchedule` of ``(p, M, v)``.
+        schedule: a name of :data:`~xla_permute.pipeline.orders.SCHEDULES` or a
+            :class:`~xla_permute.pipeline.schedule.PipelineSchedule` of ``(p, M, v)``.
         ranks: ranks per pipeline (``None``: all ranks); consecutive blocks of ranks form
             pipelines side by side, each with its own micro-batches.
         wrap: the form of the shifts; schedules that hand on from the last rank to the first
