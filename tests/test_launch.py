@@ -258,7 +258,8 @@ def test_mesh_error_names_the_collective_the_missing_rank_and_where_it_was(tmp_p
     """The diagnosis of an abort: XLA's rendezvous lines and the ranks' status lines."""
     import time
 
-    from xla_permute import launch, mesh_status
+    from xla_permute.mesh import launch
+    from xla_permute.mesh import status as mesh_status
 
     key = ("all gather RendezvousKey{run_id=RunId: 0, global_devices=[0,1,2,3], "
            "num_local_participants=4, collective_op_kind=cross_module, op_id=3}")  # fmt: skip

@@ -83,6 +83,7 @@ class DisagreementError(ValueError):
     """The ranks passed different arguments to one collective (raised on every rank)."""
 
 
+#: The check levels, most checks first (:func:`level`).
 LEVELS = ("all", "sampled", "none")
 
 
@@ -124,7 +125,7 @@ def _checked(op: str) -> bool:
 @contextmanager
 def debug_mode(enabled: bool | str = True) -> Iterator[None]:
     """Turn the debug mode on (``True``: every call checked) or off (``False``: back to the
-    sampled checks) for the collectives in the block; or name a level of :data:`LEVELS`
+    sampled checks) for the collectives in the block; or name a level of ``LEVELS``
     (``"none"``: no check, to measure what the checks cost).
 
     Call it on the rank (inside the function given to :func:`xla_permute.run_on_mesh`), on

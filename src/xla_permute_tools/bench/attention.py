@@ -110,7 +110,7 @@ def run_attention_bench(
     result: dict[str, Any] = {"shape": shape, "n": {}}
     for n in ns:
         with tempfile.TemporaryDirectory(prefix="xla_permute_attn_") as dump:
-            env = {"XLA_FLAGS": f"--xla_dump_to={dump}", DEBUG_ENV: "0"}  # no check programs
+            env = {"XLA_FLAGS": f"--xla_dump_to={dump}", DEBUG_ENV: "none"}  # no check programs
             per_rank = run_on_mesh(attention_rank, shape, dump, n=n, env=env, timeout=1800)
         merged = {}
         for key in per_rank[0]:

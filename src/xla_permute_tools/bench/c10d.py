@@ -320,7 +320,7 @@ def run_c10d_bench(config: C10dConfig | None = None, progress: Callable | None =
                 str(path),
                 json.dumps(asdict(c)),
             ]
-            env = {**os.environ, "OMP_NUM_THREADS": "1", "XLA_PERMUTE_DEBUG": "0"}
+            env = {**os.environ, "OMP_NUM_THREADS": "1", "XLA_PERMUTE_DEBUG": "none"}
             say(f"{n} processes (torchrun, gloo)")
             start = time.monotonic()
             done = subprocess.run(

@@ -152,7 +152,7 @@ def run_pipeline_bench(
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                f"--nproc-per-node={c.n}", "-m", "xla_permute_tools.bench.pipeline",
                str(path), json.dumps(asdict(c))]  # fmt: skip
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "XLA_PERMUTE_DEBUG": "0"}
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "XLA_PERMUTE_DEBUG": "none"}
         say(f"{c.n} processes (torchrun, gloo), {len(STAGES_PER_RANK)} schedules")
         done = subprocess.run(cmd, env=env, capture_output=True, text=True,
                               timeout=c.timeout, check=False)  # fmt: skip

@@ -240,7 +240,7 @@ def format_report(result: dict[str, Any]) -> str:
             f"{result.get('sampled_check_ratio', float('nan')):.2f}x with the default sampled "
             f"checks (each op's 1st, 2nd, 4th, ... call; steady state) (emulated, slowest "
             f"rank). The mesh turns the debug mode on by default; every other figure here is "
-            f"measured with XLA_PERMUTE_DEBUG=0 (sampled).",
+            f"measured with XLA_PERMUTE_DEBUG=none (no checks).",
         ]
     for r in result["programs"]:
         rr = against["n"].get(r["name"], {})
