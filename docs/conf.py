@@ -29,6 +29,9 @@ extensions = [
     "sphinx.ext.viewcode",
     "sphinx_copybutton",
     "sphinx_design",
+    # MathJax 3 served from the build's _static/mathjax (the build and its readers may be
+    # offline): the package sets mathjax_path to its copy and copies it after the build.
+    "sphinx-mathjax-offline",
 ]
 
 source_suffix = {".md": "myst-nb", ".rst": "restructuredtext"}
