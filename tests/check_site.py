@@ -8,8 +8,8 @@ width (420 px), and fails when, on any page:
   that was fed to the wrong parser;
 * math shows as raw TeX (MathJax missing offline, or never rendered);
 * an image did not load;
-* a code or output block is wider than the content column at 1400 px (hidden behind a
-  scrollbar);
+* a code or output block, or a displayed formula, is wider than the content column at 1400 px
+  (hidden behind a scrollbar);
 * a word is broken inside a table cell (``nativ/e``): cells break only at spaces, hyphens and
   slashes, and a table too wide for the column scrolls in its own container;
 * the page is wider than a 420 px viewport (the reader would scroll sideways);
@@ -73,7 +73,8 @@ const right = main.getBoundingClientRect().right + 1;
 for (const img of document.querySelectorAll("img")) {
   if (!img.complete || img.naturalWidth === 0) out.push("image did not load: " + img.src);
 }
-for (const found of main.querySelectorAll("pre, div.highlight, div.cell_output, table")) {
+const blocks = "pre, div.highlight, div.cell_output, table, div.math, mjx-container[display]";
+for (const found of main.querySelectorAll(blocks)) {
   // A table in the theme's scroll container scrolls inside it (docs/_static/wrap.css): the
   // container is what must fit the column.
   const el = found.closest(".pst-scrollable-table-container") || found;
@@ -549,6 +550,11 @@ _BAD_PAGES = {
         "raw markdown table",
     ),
     "wide_block.html": ("<pre style='white-space:pre'>" + "x" * 400 + "</pre>", "wider than"),
+    "wide_formula.html": (
+        "<div class='math'><mjx-container display='true' style='display:block;"
+        "overflow-x:auto;white-space:nowrap'>" + "T_{mm} + " * 60 + "</mjx-container></div>",
+        "mjx-container wider than the column",
+    ),
     "raw_directive.html": (
         "<p>Source:</p><pre>   .. literalinclude:: /../tests/test_x.py\n   :language: python</pre>",
         "raw directive text",
