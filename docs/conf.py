@@ -29,6 +29,9 @@ extensions = [
     "sphinx.ext.viewcode",
     "sphinx_copybutton",
     "sphinx_design",
+    # MathJax 3 served from the build's _static/mathjax (the build and its readers may be
+    # offline): the package sets mathjax_path to its copy and copies it after the build.
+    "sphinx-mathjax-offline",
 ]
 
 source_suffix = {".md": "myst-nb", ".rst": "restructuredtext"}
@@ -102,7 +105,7 @@ autodoc_default_options = {"members": True}
 autodoc_inherit_docstrings = False  # torch/matplotlib docstrings use roles we do not load
 # No intersphinx (CI has no network): references to other projects' types stay plain text.
 nitpick_ignore_regex = [
-    ("py:.*", r"(torch|torch_xla|pathlib|collections|typing|argparse|subprocess|fractions)\b.*"),
+    ("py:.*", r"(torch|torch_xla|pathlib|collections|typing|argparse|subprocess|fractions|os)\b.*"),
     ("py:.*", r"(nbclient|numpy|matplotlib|cloudpickle)\b.*"),
     ("py:.*", r"(Path|Tensor|Callable|Sequence|Any|NotebookNode|Module|Figure|Self)"),
     ("py:.*", r"(Groups|Pairs|PairsLike|Pair|Backend|Tick|MatmulOp|Layout|Strategy)"),

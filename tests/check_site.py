@@ -8,8 +8,8 @@ width (420 px), and fails when, on any page:
   that was fed to the wrong parser;
 * math shows as raw TeX (MathJax missing offline, or never rendered);
 * an image did not load;
-* a code or output block is wider than the content column at 1400 px (hidden behind a
-  scrollbar);
+* a code or output block, or a displayed formula, is wider than the content column at 1400 px
+  (hidden behind a scrollbar);
 * a word is broken inside a table cell (``nativ/e``): cells break only at spaces, hyphens and
   slashes, and a table too wide for the column scrolls in its own container;
 * the page is wider than a 420 px viewport (the reader would scroll sideways);
@@ -17,8 +17,21 @@ width (420 px), and fails when, on any page:
   :func:`xla_permute_tools.figures.new_figure` record their smallest text in the PNG, and a figure
   that does not is reported too;
 * a tutorial or reference page lacks the previous/next links or the page's table of contents;
+* a cell shows stderr output (a raw log under a trimmed error: print what the reader needs);
+* a caption names panels "(left)"/"(right)" where the figure's panels are stacked, or
+  "(top)"/"(bottom)" where they stand side by side, found from blank bands across the PNG
+  (:func:`panel_layout`);
+* a page's "You need first" names a page that comes later in the tour (the order of the
+  sidebar, which is docs/index.md's toctree);
+* a cell tagged ``demonstrates-failure`` (a cell meant to show an error) shows no error in its
+  output: the failure it demonstrates did not happen in this build;
+* the page makes a network request (a script, style sheet or image not served from the
+  build: MathJax must come from ``_static/mathjax``);
+* at 420 px a code cell wraps instead of scrolling in its own box (outputs may wrap);
+* a figure does not open at full size (a link to its image, docs/_static/wrap.js);
 
-and when the search page finds nothing for ``collective_permute``. Full-page screenshots of
+and when the search page finds nothing for ``collective_permute`` or no page shows a rendered
+formula. Full-page screenshots of
 each page at both widths go to ``--screenshots`` (a page taller than one PNG may be is cut into
 ``name.png``, ``name-2.png``, ...), and a screenshot set that does not cover the whole page
 fails the check. ``--self-test`` first checks pages made here to fail each check, and fails
@@ -31,6 +44,7 @@ from __future__ import annotations
 import argparse
 import base64
 import queue
+import re
 import struct
 import sys
 import tempfile
@@ -59,7 +73,8 @@ const right = main.getBoundingClientRect().right + 1;
 for (const img of document.querySelectorAll("img")) {
   if (!img.complete || img.naturalWidth === 0) out.push("image did not load: " + img.src);
 }
-for (const found of main.querySelectorAll("pre, div.highlight, div.cell_output, table")) {
+const blocks = "pre, div.highlight, div.cell_output, table, div.math, mjx-container[display]";
+for (const found of main.querySelectorAll(blocks)) {
   // A table in the theme's scroll container scrolls inside it (docs/_static/wrap.css): the
   // container is what must fit the column.
   const el = found.closest(".pst-scrollable-table-container") || found;
@@ -86,6 +101,49 @@ for (const line of (main.innerText || "").split("\n")) {
 for (const el of main.querySelectorAll(".math")) {
   if (!el.querySelector("mjx-container, svg, img, math")) {
     out.push("math left as raw TeX: " + (el.textContent || "").trim().slice(0, 60));
+  }
+}
+for (const el of main.querySelectorAll("div.output.stderr, div.stderr")) {
+  out.push("stderr output on the page: " + (el.innerText || "").trim().split("\n")[0].slice(0, 60));
+}
+for (const cell of main.querySelectorAll("div.cell.tag_demonstrates-failure")) {
+  const shown = Array.from(cell.querySelectorAll("div.cell_output, div.output"))
+    .map(e => e.innerText || "").join("\n");
+  if (!/(error|exception|abort|refuse|raise|fail|timed? ?out|SIGABRT)/i.test(shown)) {
+    const code = (cell.querySelector("div.cell_input") || cell).innerText.trim().split("\n")[0];
+    out.push("demonstrated failure did not happen (no error in its output): " +
+             code.slice(0, 60));
+  }
+}
+const here = location.href.split("#")[0];
+const tour = Array.from(document.querySelectorAll("nav.bd-docs-nav a.reference.internal"))
+  .map(a => a.href.split("#")[0]);
+const at = tour.indexOf(here);
+for (const li of main.querySelectorAll("li, p")) {
+  const text = (li.innerText || "").trim();
+  if (!/^You need first\b/.test(text) || at < 0) continue;
+  for (const a of li.querySelectorAll("a[href]")) {
+    const i = tour.indexOf(a.href.split("#")[0]);
+    if (i > at) out.push(`prerequisite later in the tour: "${a.innerText.trim()}" ` +
+                         `(${i + 1} of the tour, this page ${at + 1})`);
+  }
+}
+const remote = new Set();
+for (const el of document.querySelectorAll("script[src], link[href], img[src], iframe[src]")) {
+  const url = el.src || el.href;
+  if (el.tagName === "LINK" && !/stylesheet|preload|icon|modulepreload/.test(el.rel)) continue;
+  if (/^(https?:)?\/\//.test(el.getAttribute("src") || el.getAttribute("href") || "")
+      || /^https?:/.test(url)) remote.add(url);
+}
+for (const entry of performance.getEntriesByType("resource")) {
+  if (/^https?:/.test(entry.name)) remote.add(entry.name);
+}
+for (const url of remote) out.push("network request: " + url.slice(0, 80));
+for (const img of main.querySelectorAll("div.cell_output img, figure img")) {
+  const link = img.closest("a[href]");
+  if (!link || link.href.split("#")[0] !== (img.currentSrc || img.src)) {
+    out.push("figure does not open at full size (no link to its image): " +
+             (img.src || "").split("/").pop().slice(0, 60));
   }
 }
 const tex = /(\$\$|\\\(|\\\[|\\(frac|partial|text|qquad|sum)\b)/;
@@ -136,6 +194,37 @@ if (doc.scrollWidth > window.innerWidth + 1) {
   }
   out.push(`page wider than the ${window.innerWidth}px viewport ` +
            `(${doc.scrollWidth}px; e.g. ${widest})`);
+}
+return out;
+"""
+
+#: At the phone width: code cells that wrap instead of scrolling sideways in their own box.
+_PHONE_CODE_JS = r"""
+const out = [];
+const main = document.querySelector("article.bd-article") || document.body;
+for (const pre of main.querySelectorAll("div.highlight pre")) {
+  if (pre.closest("div.cell_output, div.output")) continue;  // outputs may wrap
+  const style = getComputedStyle(pre);
+  const wraps = !["pre", "nowrap"].includes(style.whiteSpace) &&
+    !(style.whiteSpaceCollapse === "preserve" && style.textWrapMode === "nowrap");
+  const hides = pre.scrollWidth > pre.clientWidth + 1 &&
+    !["auto", "scroll"].includes(style.overflowX);
+  if (wraps || hides) {
+    out.push(`code ${wraps ? "wraps" : "is cut off"} instead of scrolling: ` +
+             (pre.innerText || "").split("\n")[0].slice(0, 60));
+  }
+}
+return out;
+"""
+
+#: Each figure with a caption: its image file and the caption's text.
+_CAPTIONS_JS = r"""
+const main = document.querySelector("article.bd-article") || document.body;
+const out = [];
+for (const fig of main.querySelectorAll("figure, div.figure")) {
+  const img = fig.querySelector("img");
+  const cap = fig.querySelector("figcaption, p.caption");
+  if (img && cap && img.naturalWidth) out.push({src: img.src, caption: cap.innerText || ""});
 }
 return out;
 """
@@ -282,6 +371,84 @@ def figure_problems(driver) -> list[str]:
     return out
 
 
+#: Caption words that name panels by place: "A (left) and B (right)", "A (top) and B (bottom)".
+_SIDE_WORDS = re.compile(r"\((left|right)\)")
+_STACK_WORDS = re.compile(r"\((top|bottom|above|below)\)")
+
+
+def _runs(filled) -> list[tuple[int, int, bool]]:
+    """(start, end, inked) runs of a boolean profile."""
+    out, start = [], 0
+    for i in range(1, len(filled) + 1):
+        if i == len(filled) or filled[i] != filled[start]:
+            out.append((start, i, bool(filled[start])))
+            start = i
+    return out
+
+
+def panel_layout(data: bytes, min_gap: int = 10) -> tuple[bool, bool]:
+    """(side by side, stacked): whether a PNG's content falls into panels next to each other,
+    or above each other. Along each direction the inked bands are found; bands thinner than a
+    text line (12 px or 4% of the content) count as blank, so titles and tick labels do not
+    make panels; a gap between panels is one at least ``min_gap`` px and twice the median gap
+    (rows of a grid inside one panel are evenly spaced), and every panel spans 15% of the
+    content. Evenly spaced panels read as one grid: a caption is failed only when the figure
+    is found laid out the other way (``caption_problems``)."""
+    import io
+
+    import numpy as np
+    from PIL import Image
+
+    mask = np.asarray(Image.open(io.BytesIO(data)).convert("L")) < 235
+    found = [False, False]
+    if not mask.any():
+        return False, False
+    for axis in (0, 1):  # axis 0: a cut through blank columns (side by side); 1: rows
+        filled = mask.any(axis=axis)
+        idx = np.flatnonzero(filled)
+        lo, hi = int(idx[0]), int(idx[-1]) + 1
+        span = hi - lo
+        thin = max(12.0, 0.04 * span)
+        blocks = [(a, b) for a, b, ink in _runs(filled[lo:hi]) if ink and b - a >= thin]
+        if len(blocks) < 2:
+            continue
+        gaps = [blocks[i + 1][0] - blocks[i][1] for i in range(len(blocks) - 1)]
+        median = float(np.median(gaps))
+        cuts = [i for i, g in enumerate(gaps)
+                if g >= min_gap and (len(gaps) == 1 or g >= 2 * median)]  # fmt: skip
+        starts = [0] + [blocks[i + 1][0] for i in cuts]
+        ends = [blocks[i][1] for i in cuts] + [span]
+        parts = [e - a for a, e in zip(starts, ends, strict=True) if e - a >= 0.15 * span]
+        found[axis] = len(parts) >= 2
+    return found[0], found[1]
+
+
+def caption_problems(driver) -> list[str]:
+    """Captions that name panels left/right where the figure's panels are stacked, or
+    top/bottom where they stand side by side."""
+    out = []
+    for fig in driver.execute_script(_CAPTIONS_JS):
+        if not fig["src"].startswith("file:"):
+            continue
+        caption = " ".join(fig["caption"].split())
+        wants_side, wants_stack = _SIDE_WORDS.search(caption), _STACK_WORDS.search(caption)
+        if not (wants_side or wants_stack):
+            continue
+        side, stack = panel_layout(Path(unquote(urlparse(fig["src"]).path)).read_bytes())
+        name = fig["src"].rsplit("/", 1)[-1]
+        if wants_side and stack and not side:
+            out.append(
+                f'caption says "{wants_side.group(0)}" but the figure\'s panels are '
+                f"stacked top and bottom: {name}"
+            )
+        if wants_stack and side and not stack:
+            out.append(
+                f'caption says "{wants_stack.group(0)}" but the figure\'s panels stand '
+                f"side by side: {name}"
+            )
+    return out
+
+
 def _wait_for_math(driver, seconds: float = 5.0) -> None:
     """Give MathJax (when a page has math) time to typeset it."""
     script = "return Array.from(document.querySelectorAll('.math'))"
@@ -300,6 +467,7 @@ def check_page(driver, url: str, *, navigation: bool, shots: Path | None = None)
     problems = list(driver.execute_script(_PROBLEMS_JS))
     problems += driver.execute_script(_LAYOUT_JS)
     problems += figure_problems(driver)
+    problems += caption_problems(driver)
     if navigation:
         nav = driver.execute_script(_NAV_JS)
         if not (nav["prev"] or nav["next"]):
@@ -311,6 +479,7 @@ def check_page(driver, url: str, *, navigation: bool, shots: Path | None = None)
     _set_width(driver, NARROW)
     time.sleep(0.2)
     problems += [f"at {NARROW}px: {p}" for p in driver.execute_script(_LAYOUT_JS)]
+    problems += [f"at {NARROW}px: {p}" for p in driver.execute_script(_PHONE_CODE_JS)]
     if shots:
         problems += screenshot(driver, shots.with_name(f"{shots.name}.{NARROW}px.png"))
     _set_width(driver, WIDE)
@@ -327,6 +496,26 @@ def check_search(driver, root: Path, term: str = "collective_permute") -> list[s
             return []
         time.sleep(0.1)
     return [f"search finds nothing for {term!r}"]
+
+
+def check_math(driver, root: Path) -> list[str]:
+    """Problems unless some page holds math and MathJax, served from the build, typesets it
+    (each page's own check fails math left raw and any network request)."""
+    with_math = [p for p in pages(root) if 'class="math' in p.read_text(errors="replace")]
+    if not with_math:
+        return ["no page shows a formula (math markup missing from the tutorials)"]
+    page = with_math[0]
+    driver.get(page.as_uri())
+    _wait_for_math(driver)
+    found = driver.execute_script(
+        "return [document.querySelectorAll('.math mjx-container').length,"
+        " Array.from(document.scripts).map(s => s.src).filter(s => /mathjax/i.test(s))]"
+    )
+    if not found[0]:
+        return [f"{page.relative_to(root)}: no formula rendered (MathJax: {found[1]})"]
+    if not all(src.startswith("file:") for src in found[1]):
+        return [f"{page.relative_to(root)}: MathJax not served from the build: {found[1]}"]
+    return []
 
 
 def pages(root: Path) -> list[Path]:
@@ -350,6 +539,19 @@ def _small_text_figure() -> str:
     return base64.b64encode(fig._repr_png_()).decode()
 
 
+def _stacked_figure() -> bytes:
+    """Two panels, one above the other, from xla_permute_tools.figures."""
+    from xla_permute_tools.figures import new_figure
+
+    fig = new_figure(figsize=(6, 5))
+    for row, title in enumerate(("contiguous", "zigzag")):
+        ax = fig.add_subplot(2, 1, row + 1)
+        ax.plot([0, 1, 2], [row, 2, 1])
+        ax.set_title(title, fontsize=12)
+    fig.tight_layout()
+    return fig._repr_png_()
+
+
 #: Pages made to fail one check each: name -> (body, what the problem message must say).
 _BAD_PAGES = {
     "raw_table.html": (
@@ -357,6 +559,11 @@ _BAD_PAGES = {
         "raw markdown table",
     ),
     "wide_block.html": ("<pre style='white-space:pre'>" + "x" * 400 + "</pre>", "wider than"),
+    "wide_formula.html": (
+        "<div class='math'><mjx-container display='true' style='display:block;"
+        "overflow-x:auto;white-space:nowrap'>" + "T_{mm} + " * 60 + "</mjx-container></div>",
+        "mjx-container wider than the column",
+    ),
     "raw_directive.html": (
         "<p>Source:</p><pre>   .. literalinclude:: /../tests/test_x.py\n   :language: python</pre>",
         "raw directive text",
@@ -376,7 +583,43 @@ _BAD_PAGES = {
         "<p><code style='white-space:nowrap'>" + "xp.all_gather_matmul(x, w) " * 3 + "</code></p>",
         f"at {NARROW}px: page wider than",
     ),
-    "small_figure.html": (None, "under 9 pt"),
+    "small_figure.html": ("<div class='cell_output'><img src='small.png'></div>", "under 9 pt"),
+    "stderr.html": (
+        "<div class='cell_output'><div class='output stderr'><pre>2026-12-02 07:00:00.1 E0000 "
+        "rendezvous.cc:42] This thread has been waiting for 10 s</pre></div></div>",
+        "stderr output on the page",
+    ),
+    "caption_left_right.html": (
+        "<figure><a href='stacked.png'><img src='stacked.png'></a><figcaption>Contiguous (left)"
+        " and zigzag (right).</figcaption></figure>",
+        'caption says "(left)" but the figure\'s panels are stacked',
+    ),
+    "later_prerequisite.html": (
+        "<nav class='bd-docs-nav'><a class='reference internal' href='later_prerequisite.html'>"
+        "this page</a> <a class='reference internal' href='raw_table.html'>a later page</a>"
+        "</nav><ul><li>You need first <a href='raw_table.html'>a later page</a>.</li></ul>",
+        "prerequisite later in the tour",
+    ),
+    "failure_not_shown.html": (
+        "<div class='cell tag_demonstrates-failure'><div class='cell_input'><pre>"
+        "xp.run_on_mesh(bare_wait, x, n=N)</pre></div><div class='cell_output'><pre>"
+        "In this run the mesh finished.</pre></div></div>",
+        "demonstrated failure did not happen",
+    ),
+    "network.html": (
+        "<script src='http://127.0.0.1:9/mathjax/tex-chtml.js'></script><p>a formula</p>",
+        "network request",
+    ),
+    "figure_no_link.html": (
+        "<div class='cell_output'><img src='small.png'></div>",
+        "does not open at full size",
+    ),
+    "wrapping_code.html": (
+        "<div class='highlight'><pre style='white-space:pre-wrap'>"
+        + "y = xp.all_gather_matmul(x, w, groups=groups) " * 4
+        + "</pre></div>",
+        f"at {NARROW}px: code wraps instead of scrolling",
+    ),
     "tall_page.html": ("<div style='height:30000px'>tall</div>", "screenshot cut short"),
 }
 
@@ -385,11 +628,10 @@ def self_test(driver) -> list[str]:
     """Check that every check catches the page made to fail it."""
     failures = []
     with tempfile.TemporaryDirectory() as tmp:
+        # The figures: real PNGs from xla_permute_tools.figures.
+        Path(tmp, "small.png").write_bytes(base64.b64decode(_small_text_figure()))
+        Path(tmp, "stacked.png").write_bytes(_stacked_figure())
         for name, (body, expected) in _BAD_PAGES.items():
-            if body is None:  # the figure: a real PNG from xla_permute_tools.figures
-                png = Path(tmp, "small.png")
-                png.write_bytes(base64.b64decode(_small_text_figure()))
-                body = f"<div class='cell_output'><img src='{png.name}'></div>"
             page = Path(tmp, name)
             page.write_text(
                 "<html><body><article class='bd-article' style='max-width:600px'>"
@@ -457,6 +699,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.self_test:
         jobs.insert(1, ("self-test", self_test))
     jobs.append(("search", partial(check_search, root=root)))
+    jobs.append(("math", partial(check_math, root=root)))
 
     drivers: queue.Queue = queue.Queue()
 

@@ -34,3 +34,18 @@ document.addEventListener("DOMContentLoaded", () => {
     }
   }
 });
+
+// Every figure (a cell's image output or a figure directive's image) opens at full size: it
+// becomes a link to its own image file, which a phone can zoom.
+document.addEventListener("DOMContentLoaded", () => {
+  const article = document.querySelector("article.bd-article") || document.body;
+  for (const img of article.querySelectorAll("div.cell_output img, figure img")) {
+    if (img.closest("a[href]")) continue;
+    const link = document.createElement("a");
+    link.href = img.currentSrc || img.src;
+    link.className = "figure-full-size";
+    link.title = "Open the figure at full size";
+    img.replaceWith(link);
+    link.appendChild(img);
+  }
+});

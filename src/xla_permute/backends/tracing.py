@@ -32,7 +32,8 @@ def trace(tensors: object) -> str:
 
     Call it on a rank of the mesh with tensors built from XLA-device inputs; then discard
     them (do not ``torch_xla.sync()`` with them alive). The program stands alone: the collectives
-    traced so far are forgotten afterwards (:func:`~xla_permute.backends.tracing.discard_traced_collectives`), so the next
+    traced so far are forgotten afterwards
+    (:func:`~xla_permute.backends.tracing.discard_traced_collectives`), so the next
     traced program does not contain them. This is how the *native* backend's program, which
     cannot run on the CPU mesh, is read there.
     """
@@ -65,7 +66,8 @@ def tracing() -> Iterator[None]:
     The native backend (``xm.collective_permute``) cannot run on the CPU mesh, so the ops of this
     package refuse it there, except inside this block: the caller promises to trace the tensors
     it builds (:func:`trace`) and discard them, never to run them. On leaving the block the
-    collectives traced in it are forgotten (:func:`~xla_permute.backends.tracing.discard_traced_collectives`).
+    collectives traced in it are forgotten
+    (:func:`~xla_permute.backends.tracing.discard_traced_collectives`).
     """
     device = _rank_device()
     with _tracing_lock:
