@@ -20,7 +20,7 @@ from xla_permute_tools import bench
 from xla_permute_tools.bench import PRESETS, PROGRAMS, BenchConfig, BenchProgram
 from xla_permute_tools.bench.measure import bench_rank, memory_rank, read_memory_report
 from xla_permute_tools.bench.programs import MEMORY_PROGRAMS
-from xla_permute_tools.bench.run import account, memory_flags
+from xla_permute_tools.bench.run import NO_GUARD, account, memory_flags
 
 TINY = PRESETS["tiny"]
 SMOKE = BenchConfig(**{**vars(TINY), "scaling_n": 0})  # N=8 below, on the programs judged
@@ -173,7 +173,7 @@ def test_rings_at_their_memory_floor_on_8_devices(tmp_path):
         str(tmp_path),
         ("input",),
         n=8,
-        env={"XLA_FLAGS": memory_flags(str(tmp_path)), DEBUG_ENV: "0"},
+        env={"XLA_FLAGS": memory_flags(str(tmp_path)), DEBUG_ENV: "none", **NO_GUARD},
     )
     assert all(key.endswith("|input") for key in per_rank[0]["memory"])
     memory = [r["memory"] for r in per_rank]
@@ -196,7 +196,7 @@ def test_memory_rank_refuses_an_unknown_x_mode(tmp_path):
             str(tmp_path),
             ("output",),
             n=2,
-            env={"XLA_FLAGS": memory_flags(str(tmp_path)), DEBUG_ENV: "0"},
+            env={"XLA_FLAGS": memory_flags(str(tmp_path)), DEBUG_ENV: "none", **NO_GUARD},
         )
 
 
@@ -220,7 +220,7 @@ def test_memory_does_not_depend_on_llvm_optimisation(tmp_path, monkeypatch):
             vars_of(TINY),
             str(dump),
             n=2,
-            env={"XLA_FLAGS": flags, DEBUG_ENV: "0"},
+            env={"XLA_FLAGS": flags, DEBUG_ENV: "none", **NO_GUARD},
         )
         peaks.append([{k: v["bytes"] for k, v in r["memory"].items()} for r in out])
     assert peaks[0] == peaks[1] and len(peaks[0][0]) == 2 * len(programs)

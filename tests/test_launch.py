@@ -289,4 +289,6 @@ def test_mesh_error_names_the_collective_the_missing_rank_and_where_it_was(tmp_p
         "for "
     ), text
     assert "(its last op of this package: all_gather_matmul, call 1)" in text
-    assert launch._diagnose("no abort here", str(tmp_path), 4) == ""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert launch._diagnose("no abort here", str(empty), 4) == ""  # nothing to say

@@ -29,6 +29,7 @@ from typing import Any
 from xla_permute.debug import ENV as DEBUG_ENV
 from xla_permute.mesh.launch import run_on_mesh
 from xla_permute_tools.bench.measure import read_memory_report
+from xla_permute_tools.bench.run import NO_GUARD
 
 __all__ = ["ATTENTION_SHAPE", "attention_rank", "format_attention_report", "run_attention_bench"]
 
@@ -110,7 +111,8 @@ def run_attention_bench(
     result: dict[str, Any] = {"shape": shape, "n": {}}
     for n in ns:
         with tempfile.TemporaryDirectory(prefix="xla_permute_attn_") as dump:
-            env = {"XLA_FLAGS": f"--xla_dump_to={dump}", DEBUG_ENV: "none"}  # no check programs
+            # no check programs, no sync guard: the dump holds the measured programs only
+            env = {"XLA_FLAGS": f"--xla_dump_to={dump}", DEBUG_ENV: "none", **NO_GUARD}
             per_rank = run_on_mesh(attention_rank, shape, dump, n=n, env=env, timeout=1800)
         merged = {}
         for key in per_rank[0]:
