@@ -27,8 +27,11 @@ from xla_permute.collectives import (
 )
 from xla_permute.debug import DisagreementError, debug_mode
 
+# Tensor-parallel attention: heads over ranks, grouped-query attention included
+from xla_permute.heads import ParallelAttention
+
 # The tensor-parallel layers on collective matmul
-from xla_permute.layers import ColumnParallelLinear, RowParallelLinear
+from xla_permute.layers import ColumnParallelLinear, RowParallelLinear, share_ring
 
 # Collective matmul and its baselines
 from xla_permute.matmul import (
@@ -73,6 +76,9 @@ from xla_permute.pipeline.schedule import Overlap, PipelineSchedule, Work
 # Pipeline stages without send/recv
 from xla_permute.pipeline.shift import shift_pairs, stage_shift
 
+# A model made tensor-parallel by a plan (PyTorch's parallelize_module, on these layers)
+from xla_permute.plan import HeadwiseParallel, parallelize_module
+
 # Ring schedules of collective matmul and ring attention, as data
 from xla_permute.schedule import (
     AttentionBlock,
@@ -87,6 +93,9 @@ from xla_permute.schedule import (
 
 # Split a sequence over ranks and put it back (host, pure torch)
 from xla_permute.sequence import shard_sequence, unshard_sequence
+
+# Vocabulary parallelism: embedding and cross-entropy over vocabulary shards
+from xla_permute.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 #: Submodules reached as attributes (imported on first use): ``xp.hardware.caveats()``, ...
 _SUBMODULES = ("reference", "hardware", "hlo", "cost", "figures")
@@ -140,6 +149,7 @@ __all__ = [
     "DisagreementError",
     "forms_complete_rings",
     "GatedMLP",
+    "HeadwiseParallel",
     "inverse_pairs",
     "is_ring",
     "make_schedule",
@@ -151,6 +161,8 @@ __all__ = [
     "pipeline_groups",
     "pipeline_step",
     "Overlap",
+    "ParallelAttention",
+    "parallelize_module",
     "PipelineSchedule",
     "PipelineStep",
     "RankError",
@@ -167,12 +179,15 @@ __all__ = [
     "schedule_work",
     "SequenceParallelMLP",
     "shard_sequence",
+    "share_ring",
     "shift_pairs",
     "split_layers",
     "stage_shift",
     "sum_gradients",
     "swiglu",
     "unshard_sequence",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
     "SCHEDULES",
     "Work",
 ]

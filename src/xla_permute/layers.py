@@ -33,6 +33,19 @@ missing; on other devices ``"xla"`` is the baseline with the reduce-scatter in t
 ``groups``: tensor parallelism within each replica group (a ring in the group's order);
 ``world_size`` is then the group size. Empty inputs give empty outputs without a collective.
 
+``sequence_parallel=False`` (Megatron's layers without sequence parallelism): the activations
+around the pair are replicated, whole on every rank. A column-parallel layer then takes
+``x [..., S, K]`` as it is (``y = x @ W_r.T + b_r``, no collective forward; backward sums
+``dx`` over ranks, :func:`~xla_permute.collectives.sum_gradients`) and a row-parallel one ends
+with a sum, ``y = AllReduce(x @ W_r.T) + b`` (:func:`~xla_permute.regions.reduce_replicated`).
+``gather_output=True`` (column-parallel): the output's features gathered, ``[..., F]`` on every
+rank (:func:`~xla_permute.regions.gather_replicated`).
+
+Column-parallel layers that read the same input (q/k/v, gate/up) share one ring when
+:func:`share_ring` links them: the first one called computes every member's output in one
+:func:`~xla_permute.matmul.all_gather_matmul` (x travels once), the others, called next with
+the same tensor, take theirs from it; called with another tensor, a member runs its own ring.
+
 Backward: through the collective matmuls' own backward (see :mod:`xla_permute.matmul`).
 """
 
@@ -56,11 +69,13 @@ from xla_permute.matmul import (
 )
 from xla_permute.pairs import GroupsLike as Groups
 from xla_permute.pairs import check_int
+from xla_permute.regions import gather_replicated, reduce_replicated
 
 __all__ = [
     "STRATEGIES",
     "ColumnParallelLinear",
     "RowParallelLinear",
+    "share_ring",
 ]
 
 STRATEGIES = ("ring", "baseline", "xla", "auto")
@@ -129,6 +144,7 @@ class _ParallelLinear(nn.Module):
         dim: int = 1,
         strategy: str = "ring",
         bidirectional: bool = False,
+        sequence_parallel: bool = True,
         groups: Groups = None,
         backend: str = "auto",
         world_size: int | None = None,
@@ -156,6 +172,7 @@ class _ParallelLinear(nn.Module):
         self.in_features, self.out_features = in_features, out_features
         self.dim, self.world_size, self.rank = dim, world_size, rank
         self.bidirectional = bool(bidirectional)
+        self.sequence_parallel = bool(sequence_parallel)
         self.weight = nn.Parameter(torch.empty(shape, dtype=dtype))
         self.bias = nn.Parameter(torch.empty(bias_features, dtype=dtype)) if bias else None
         self.reset_parameters(generator)  # on the CPU (a CPU generator), then moved
@@ -229,7 +246,9 @@ class _ParallelLinear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, **kwargs: Any) -> Self:
-        """This rank's shard of a full ``nn.Linear`` (together, the same result as it)."""
+        """This rank's shard of a full ``nn.Linear`` (together, the same result as it), in its
+        dtype."""
+        kwargs.setdefault("dtype", linear.weight.dtype)
         layer = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, **kwargs)
         axis = 0 if cls._sharded == "out" else 1
         with torch.no_grad():
@@ -245,6 +264,7 @@ class _ParallelLinear(nn.Module):
         return (
             f"weight={tuple(self.weight.shape)}, rank={self.rank}/{self.world_size}, "
             f"dim={self.dim}, strategy={self.strategy!r}, bidirectional={self.bidirectional}"
+            + ("" if self.sequence_parallel else ", sequence_parallel=False")
             + ("" if self.groups is None else f", groups={self.groups}")
         )
 
@@ -257,10 +277,20 @@ class ColumnParallelLinear(_ParallelLinear):
     """
 
     _sharded = "out"
+    ring: _SharedRing | None = None
+
+    def __init__(self, *args: Any, gather_output: bool = False, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.gather_output = bool(gather_output)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``AllGather(x, dim) @ W_r.T + b_r``: ``[..., S/N, K] -> [..., S, F/N]``."""
-        y = _column([self], x)[0]
+        """``AllGather(x, dim) @ W_r.T + b_r``: ``[..., S/N, K] -> [..., S, F/N]``
+        (``[..., S, K] -> [..., S, F/N]`` without sequence parallelism; ``[..., S, F]`` with
+        ``gather_output``)."""
+        y = _column([self], x)[0] if self.ring is None else self.ring.output(self, x)
+        if self.gather_output:
+            comm = dict(groups=self.groups, backend=self.backend)
+            y = gather_replicated(y, y.dim() - 1, self.rank, **comm)
         return y
 
 
@@ -269,11 +299,89 @@ def _column(layers: Sequence[ColumnParallelLinear], x: torch.Tensor) -> tuple[to
     first = layers[0]
     ws = [layer.weight.T for layer in layers]
     kw = dict(dim=first.dim, groups=first.groups, backend=first.backend)
-    if first._method(x, len(layers)) == "ring":
+    if not first.sequence_parallel:  # replicated x: local matmuls; dx summed over ranks
+        first._method(x, len(layers))  # the checks of device, rank and shape
+        x = sum_gradients(x, groups=first.groups, backend=first.backend)
+        ys = tuple(x @ w for w in ws)
+    elif first._method(x, len(layers)) == "ring":
         ys = all_gather_matmul(x, ws, bidirectional=first.bidirectional, **kw)
     else:
         ys = all_gather_then_matmul(x, ws, **kw)
     return tuple(y if c.bias is None else y + c.bias for y, c in zip(ys, layers, strict=True))
+
+
+class _SharedRing:
+    """Column-parallel layers that read one input, computed on one ring (:func:`share_ring`).
+
+    The first member called with ``x`` runs the ring for all and keeps the others' outputs
+    (and ``x`` itself, so that its identity cannot pass to another tensor) until each is taken;
+    a member called with any other tensor, or twice, computes its own.
+    """
+
+    def __init__(self, layers: Sequence[ColumnParallelLinear]) -> None:
+        self.layers = list(layers)
+        self.x: torch.Tensor | None = None
+        self.version = -1
+        self.pending: dict[int, torch.Tensor] = {}
+
+    def output(self, layer: ColumnParallelLinear, x: torch.Tensor) -> torch.Tensor:
+        key = id(layer)
+        if x is self.x and x._version == self.version and key in self.pending:
+            y = self.pending.pop(key)
+            if not self.pending:
+                self.x = None
+            return y
+        if self.pending:  # outputs left untaken: the members read different inputs
+            import warnings
+
+            names = [type(m).__name__ for m in self.layers]
+            warnings.warn(
+                f"share_ring: {len(self.layers)} layers ({names}) sharing a ring were called "
+                f"with different inputs; each now runs its own ring",
+                stacklevel=3,
+            )
+            for m in self.layers:
+                m.ring = None
+            self.x, self.pending = None, {}
+            return _column([layer], x)[0]
+        ys = _column(self.layers, x)
+        self.x, self.version = x, x._version
+        self.pending = {id(m): y for m, y in zip(self.layers, ys, strict=True) if m is not layer}
+        return ys[self.layers.index(layer)]
+
+
+def share_ring(layers: Sequence[ColumnParallelLinear]) -> None:
+    """Let column-parallel layers that read the same input share one ring (module docstring).
+
+    They must agree on every setting but ``out_features`` (raises ``ValueError`` naming the
+    ones that differ). Their results are those of each layer alone.
+    """
+    layers = list(layers)
+    for i, layer in enumerate(layers):
+        if not isinstance(layer, ColumnParallelLinear):
+            raise TypeError(
+                f"share_ring: layers[{i}] is a {type(layer).__name__}, not a ColumnParallelLinear"
+            )
+    same = (
+        "in_features",
+        "dim",
+        "strategy",
+        "bidirectional",
+        "sequence_parallel",
+        "groups",
+        "backend",
+        "world_size",
+        "rank",
+    )
+    first = layers[0]
+    differ = [a for a in same for m in layers[1:] if getattr(m, a) != getattr(first, a)]
+    if differ:
+        raise ValueError(
+            f"share_ring: the layers must agree on {sorted(set(differ))} to share a ring"
+        )
+    ring = _SharedRing(layers) if len(layers) > 1 else None
+    for layer in layers:
+        layer.ring = ring
 
 
 class RowParallelLinear(_ParallelLinear):
@@ -286,9 +394,14 @@ class RowParallelLinear(_ParallelLinear):
     _sharded = "in"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        """``ReduceScatter(x @ W_r.T, dim) + b``: ``[..., S, K/N] -> [..., S/N, F]``."""
+        """``ReduceScatter(x @ W_r.T, dim) + b``: ``[..., S, K/N] -> [..., S/N, F]``
+        (without sequence parallelism ``AllReduce(x @ W_r.T) + b``, ``[..., S, F]``)."""
         w = self.weight.T
         kw = dict(dim=self.dim, groups=self.groups, backend=self.backend)
+        if not self.sequence_parallel:
+            self._method(x)  # the checks of device, rank and shape
+            y = reduce_replicated(x @ w, groups=self.groups, backend=self.backend)
+            return y if self.bias is None else y + self.bias
         if self._method(x) == "ring":
             y = matmul_reduce_scatter(x, w, bidirectional=self.bidirectional, **kw)
         else:  # baseline, or "xla": its reduce-scatter in the input dtype, as the PoC's

@@ -1,0 +1,266 @@
+"""Tensor-parallel attention: the heads split over ranks, grouped-query attention included.
+
+Per rank (N ranks of a group, ``Hq`` query and ``Hkv`` key/value heads of size ``D``, hidden
+``H``, sequence dimension 1), with sequence parallelism (the default):
+``x [B, S/N, H] -> y [B, S/N, H]``:
+
+1. ``q, k, v = AllGather(x) @ [Wq_r, Wk_r, Wv_r].T`` on **one** all-gather-matmul ring (x travels
+   once): this rank's ``Hq/N`` query heads and their key/value heads, for the whole sequence;
+2. ``position_fn(q, k, positions)`` (rotary embeddings, or any position-dependent transform) on
+   the gathered sequence, ``positions = 0 ... S-1``: the positions are right only after the
+   gather;
+3. ``softmax(q k^T / sqrt(D) + causal mask) v`` on this rank's heads (``scaled_dot_product
+   _attention``; each query head ``h`` reads key/value head ``h // (Hq/Hkv)``);
+4. ``y = ReduceScatter(o @ Wo_r.T) + b``: :class:`~xla_permute.RowParallelLinear`, one
+   matmul-reduce-scatter ring.
+
+Without sequence parallelism (``sequence_parallel=False``) x and y are ``[B, S, H]``, replicated,
+and the only collective is the all-reduce of ``o_proj`` (Megatron's layout).
+
+**Key/value heads.** ``Hkv % N == 0``: rank r holds KV heads ``r*Hkv/N ...``. ``N % Hkv == 0``
+(fewer KV heads than ranks): KV head ``j`` is held whole by the ``N/Hkv`` consecutive ranks of
+its query heads; each copy's gradient covers its rank's query heads only, so the copies'
+gradients are summed over those ranks inside the backward
+(:func:`~xla_permute.collectives.sum_gradients`): the copies stay equal after every optimizer
+step with no step of the user's. Any other ``Hkv`` is refused.
+
+Backward: through the collective matmuls' own (:mod:`xla_permute.matmul`) and autograd.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from xla_permute.collectives import sum_gradients
+from xla_permute.layers import ColumnParallelLinear, RowParallelLinear, _column, _world
+from xla_permute.pairs import GroupsLike as Groups
+from xla_permute.pairs import check_int
+
+__all__ = ["ParallelAttention", "kv_head_groups"]
+
+#: ``position_fn(q [B, h, S, D], k [B, hkv, S, D], positions [S]) -> (q, k)``
+PositionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def kv_head_groups(
+    heads: int, kv_heads: int, world_size: int, groups: Groups = None
+) -> list[list[int]] | None:
+    """The ranks that hold the same key/value head, as replica groups (None: one rank each).
+
+    ``heads``, ``kv_heads``: the layer's query and key/value head counts; ``world_size``: the
+    tensor-parallel group size; ``groups``: the tensor-parallel groups (None: ranks
+    ``0 ... world_size-1``). Raises ValueError for head counts the ranks cannot split.
+
+    >>> kv_head_groups(8, 2, 4)
+    [[0, 1], [2, 3]]
+    >>> kv_head_groups(8, 4, 4) is None
+    True
+    """
+    heads = check_int(heads, "heads", 1)
+    kv_heads = check_int(kv_heads, "kv_heads", 1)
+    if heads % world_size:
+        raise ValueError(
+            f"heads = {heads} is not divisible by the {world_size} ranks; the query heads are "
+            f"split over the ranks: use a group size that divides {heads}"
+        )
+    if heads % kv_heads:
+        raise ValueError(f"heads = {heads} is not a multiple of kv_heads = {kv_heads}")
+    if kv_heads % world_size == 0:
+        return None
+    if world_size % kv_heads:
+        raise ValueError(
+            f"kv_heads = {kv_heads} neither divides nor is divided by the {world_size} ranks; "
+            f"each rank needs whole key/value heads: use a group size that divides "
+            f"{kv_heads} or a multiple of it"
+        )
+    copies = world_size // kv_heads
+    tp = [list(range(world_size))] if groups is None else [list(g) for g in groups]
+    return [g[i : i + copies] for g in tp for i in range(0, world_size, copies)]
+
+
+class ParallelAttention(nn.Module):
+    """Multi-head attention with its heads split over ranks (module docstring).
+
+    Build it with :meth:`from_linears` from the single-device projections. ``forward(x)``
+    returns ``y``; with ``returns_weights=True`` it returns ``(y, None)`` and accepts (and
+    ignores) the keyword arguments of a Hugging Face attention (``position_embeddings``,
+    ``position_ids``, ``cache_position``, ``past_key_values``, and the ``attention_mask`` the
+    model derives for the shard; :func:`~xla_permute.parallelize_module` refuses a model call
+    with a padding mask of the user's), so that it can replace one in place.
+    """
+
+    def __init__(
+        self,
+        qkv: list[nn.Module],
+        o: RowParallelLinear,
+        *,
+        heads: int,
+        kv_heads: int,
+        head_dim: int,
+        position_fn: PositionFn | None = None,
+        causal: bool = True,
+        returns_weights: bool = False,
+    ) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = qkv
+        self.o_proj = o
+        n = o.world_size
+        self.kv_groups = kv_head_groups(heads, kv_heads, n, o.groups)
+        self.heads, self.kv_heads, self.head_dim = heads // n, max(1, kv_heads // n), head_dim
+        self.position_fn, self.causal = position_fn, bool(causal)
+        self.returns_weights = bool(returns_weights)
+
+    @classmethod
+    def from_linears(
+        cls,
+        q: nn.Linear | None = None,
+        k: nn.Linear | None = None,
+        v: nn.Linear | None = None,
+        o: nn.Linear | None = None,
+        *,
+        qkv: nn.Linear | None = None,
+        heads: int,
+        kv_heads: int | None = None,
+        head_dim: int | None = None,
+        position_fn: PositionFn | None = None,
+        causal: bool = True,
+        returns_weights: bool = False,
+        groups: Groups = None,
+        backend: str = "auto",
+        world_size: int | None = None,
+        rank: int | None = None,
+        **layer_options: Any,
+    ) -> ParallelAttention:
+        """This rank's heads of the attention whose projections are ``q, k, v, o`` (or one fused
+        ``qkv`` Linear, its rows ``[q | k | v]``, and ``o``): nn.Linear layouts, ``[out, in]``.
+
+        ``layer_options``: ``strategy``, ``bidirectional``, ``sequence_parallel``, ``dim`` of
+        :class:`~xla_permute.ColumnParallelLinear` (shared by all four projections).
+        """
+        kv_heads = heads if kv_heads is None else kv_heads
+        n, r = _world(world_size, rank, groups, backend)
+        kv_groups = kv_head_groups(heads, kv_heads, n, groups)
+        if qkv is not None:
+            if q is not None or k is not None or v is not None:
+                raise ValueError("pass either q, k, v or a fused qkv, not both")
+            hd = head_dim or qkv.out_features // (heads + 2 * kv_heads)
+            q, k, v = _split_fused(qkv, heads * hd, kv_heads * hd)
+        if q is None or k is None or v is None or o is None:
+            raise ValueError("from_linears needs q, k, v (or qkv) and o, each an nn.Linear")
+        for name, lin in (("q", q), ("k", k), ("v", v), ("o", o)):
+            if not isinstance(lin, nn.Linear):
+                raise TypeError(f"{name} must be an nn.Linear, got {type(lin).__name__}")
+        hd = head_dim or q.out_features // heads
+        for name, lin, count in (("q", q, heads), ("k", k, kv_heads), ("v", v, kv_heads)):
+            if lin.out_features != count * hd:
+                raise ValueError(
+                    f"{name}.out_features = {lin.out_features} is not {count} heads of "
+                    f"head_dim {hd}; pass heads=, kv_heads= and head_dim= of this attention"
+                )
+        comm = dict(groups=groups, backend=backend, world_size=n, rank=r, **layer_options)
+        parts = [ColumnParallelLinear.from_linear(q, **comm)]
+        if kv_groups is None:
+            parts += [ColumnParallelLinear.from_linear(x, **comm) for x in (k, v)]
+        else:  # this rank's one KV head, whole: the head of its query heads
+            head = r * (heads // n) // (heads // kv_heads)
+            parts += [_head(x, head, hd) for x in (k, v)]
+        out = RowParallelLinear.from_linear(o, **comm)
+        device = q.weight.device
+        return cls(
+            [p.to(device) for p in parts],
+            out.to(device),
+            heads=heads,
+            kv_heads=kv_heads,
+            head_dim=hd,
+            position_fn=position_fn,
+            causal=causal,
+            returns_weights=returns_weights,
+        )
+
+    def _kv_weights(self) -> list[torch.Tensor | None]:
+        """k and v's weights and biases, their gradients summed over the copies' ranks."""
+        tensors = [self.k_proj.weight, self.k_proj.bias, self.v_proj.weight, self.v_proj.bias]
+        if self.kv_groups is None:
+            return tensors
+        comm = dict(groups=self.kv_groups, backend=self.o_proj.backend)
+        return [None if t is None else sum_gradients(t, **comm) for t in tensors]
+
+    def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        """``[B, S/N, H] -> [B, S/N, H]`` (``[B, S, H]`` without sequence parallelism)."""
+        x = hidden_states
+        if args or (kwargs.get("attention_mask") is not None and not self.returns_weights):
+            raise ValueError(
+                "ParallelAttention makes its own causal mask and takes no attention_mask or "
+                "positional arguments (padding masks are not supported: pack the sequences)"
+            )
+        qkv = self._project(x)
+        b, s = qkv[0].shape[:2]
+        q, k, v = (
+            t.view(b, s, h, self.head_dim).transpose(1, 2)
+            for t, h in zip(qkv, (self.heads, self.kv_heads, self.kv_heads), strict=True)
+        )
+        if self.position_fn is not None:
+            q, k = self.position_fn(q, k, torch.arange(s, device=x.device))
+        group = self.heads // self.kv_heads
+        k, v = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k, v))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+        y = self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
+        return (y, None) if self.returns_weights else y
+
+    def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """q, k, v for the whole sequence on one ring (weights of KV copies summed backward)."""
+        wk, bk, wv, bv = self._kv_weights()
+        if self.kv_groups is None:
+            return _column([self.q_proj, self.k_proj, self.v_proj], x)
+        # One ring for three weights of the layers' settings; the copies' own weights.
+        q = self.q_proj
+        ws = [q.weight.T, wk.T, wv.T]
+        from xla_permute.matmul import all_gather_matmul, all_gather_then_matmul
+
+        if not q.sequence_parallel:
+            q._method(x, 3)
+            xs = sum_gradients(x, groups=q.groups, backend=q.backend)
+            ys = [xs @ w for w in ws]
+        elif q._method(x, 3) == "ring":
+            kw = dict(dim=q.dim, groups=q.groups, backend=q.backend)
+            ys = list(all_gather_matmul(x, ws, bidirectional=q.bidirectional, **kw))
+        else:
+            ys = list(all_gather_then_matmul(x, ws, dim=q.dim, groups=q.groups, backend=q.backend))
+        biases = [q.bias, bk, bv]
+        return tuple(y if bias is None else y + bias for y, bias in zip(ys, biases, strict=True))
+
+    def extra_repr(self) -> str:
+        kv = "" if self.kv_groups is None else f", kv copies summed over {self.kv_groups}"
+        return f"heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}{kv}"
+
+
+def _split_fused(qkv: nn.Linear, q_rows: int, kv_rows: int) -> tuple[nn.Linear, ...]:
+    """A fused ``[q | k | v]`` Linear as three Linears (views of its weights)."""
+    if qkv.out_features != q_rows + 2 * kv_rows:
+        raise ValueError(
+            f"qkv.out_features = {qkv.out_features} is not q ({q_rows}) + 2 x kv ({kv_rows}) "
+            f"rows; pass heads=, kv_heads= and head_dim= of this attention"
+        )
+    parts = []
+    for first, rows in ((0, q_rows), (q_rows, kv_rows), (q_rows + kv_rows, kv_rows)):
+        lin = nn.Linear(qkv.in_features, rows, bias=qkv.bias is not None, device="meta")
+        lin.weight = nn.Parameter(qkv.weight.detach()[first : first + rows])
+        if qkv.bias is not None:
+            lin.bias = nn.Parameter(qkv.bias.detach()[first : first + rows])
+        parts.append(lin)
+    return tuple(parts)
+
+
+def _head(lin: nn.Linear, head: int, hd: int) -> nn.Linear:
+    """A copy of one whole head's rows of ``lin``: ``nn.Linear(in_features, hd)``."""
+    rows = slice(head * hd, (head + 1) * hd)
+    copy = nn.Linear(lin.in_features, hd, bias=lin.bias is not None, dtype=lin.weight.dtype)
+    with torch.no_grad():
+        copy.weight.copy_(lin.weight[rows])
+        if lin.bias is not None:
+            copy.bias.copy_(lin.bias[rows])
+    return copy

@@ -1,0 +1,211 @@
+"""Vocabulary parallelism (Megatron-LM's): embedding, LM head and cross-entropy over vocab shards.
+
+With N ranks and a vocabulary of V tokens, rank r holds the rows ``r*V/N ... (r+1)*V/N`` of the
+embedding table and of the LM head, so full ``[B, S, V]`` logits never exist on one rank:
+
+* :class:`VocabParallelEmbedding`: tokens ``[B, S]`` (the same on every rank) ->
+  ``[B, S/N, H]`` (``output="sequence"``: the sequence-parallel activations, one reduce-scatter)
+  or ``[B, S, H]`` (``output="replicated"``: one all-reduce). Each rank looks up the tokens of its
+  rows (the others give zeros) and the sum over ranks is the full lookup.
+* The LM head is a :class:`~xla_permute.ColumnParallelLinear` (``[B, S/N, H] -> [B, S, V/N]``, one
+  all-gather-matmul).
+* :func:`vocab_parallel_cross_entropy`: logits ``[..., V/N]`` -> the loss, replicated, equal to
+  ``cross_entropy`` of the gathered logits; the max, the sum of exponentials and the target's
+  logit travel (``[..., N]`` and ``[..., 2]`` floats per token), not the logits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from xla_permute.backends.select import check_tensor, ring_of
+from xla_permute.collectives import all_gather, all_reduce, reduce_scatter
+from xla_permute.layers import _world
+from xla_permute.pairs import GroupsLike as Groups
+from xla_permute.pairs import check_dim, check_int
+from xla_permute.reference import accumulation_dtype
+from xla_permute.regions import reduce_replicated
+
+__all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
+
+OUTPUTS = ("sequence", "replicated")
+
+
+def _vocab_block(vocab: int, world_size: int, what: str) -> int:
+    if vocab % world_size:
+        raise ValueError(
+            f"{what} = {vocab} is not divisible by the {world_size} ranks; pad the vocabulary "
+            f"to a multiple of {world_size} (e.g. {vocab + (-vocab % world_size)})"
+        )
+    return vocab // world_size
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding(num_embeddings, embedding_dim)`` with its rows sharded over ranks.
+
+    Per rank: tokens ``[B, S]`` (the same on every rank) -> ``[B, S/N, H]`` (``output=
+    "sequence"``, ``dim`` the sequence dimension of the output) or ``[B, S, H]``
+    (``"replicated"``). ``y = sum_r E_r[t - r*V/N]`` (``E_r[.] = 0`` outside rank r's rows),
+    reduce-scattered along ``dim`` or all-reduced. Backward: the gradient of this rank's rows
+    only (the tokens it holds); ``"sequence"``: an all-gather of ``dy`` first.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        *,
+        output: str = "sequence",
+        dim: int = 1,
+        padding_idx: int | None = None,
+        groups: Groups = None,
+        backend: str = "auto",
+        world_size: int | None = None,
+        rank: int | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        num_embeddings = check_int(num_embeddings, "num_embeddings", 1)
+        embedding_dim = check_int(embedding_dim, "embedding_dim", 1)
+        if output not in OUTPUTS:
+            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
+        self.groups = None if groups is None else [list(g) for g in groups]
+        self.backend, self.output, self.dim = backend, output, check_int(dim, "dim", 0)
+        self.world_size, self.rank = _world(world_size, rank, self.groups, backend)
+        block = _vocab_block(num_embeddings, self.world_size, "num_embeddings")
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.start = self.rank * block
+        if padding_idx is not None:
+            padding_idx = check_int(padding_idx, "padding_idx", 0, num_embeddings)
+        self.padding_idx = padding_idx
+        self.weight = nn.Parameter(torch.zeros(block, embedding_dim, dtype=dtype))
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, **kwargs: Any) -> VocabParallelEmbedding:
+        """This rank's rows of a full ``nn.Embedding`` (together, the same lookup)."""
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(f"embedding must be an nn.Embedding, got {type(embedding).__name__}")
+        layer = cls(
+            embedding.num_embeddings,
+            embedding.embedding_dim,
+            padding_idx=embedding.padding_idx,
+            dtype=embedding.weight.dtype,
+            **kwargs,
+        )
+        with torch.no_grad():
+            rows = embedding.weight.narrow(0, layer.start, layer.weight.shape[0])
+            layer.weight.copy_(rows)
+        return layer.to(embedding.weight.device)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        """``[B, S] -> [B, S/N, H]`` (``"sequence"``) or ``[B, S, H]`` (class docstring)."""
+        check_tensor(tokens, "tokens", self.backend)
+        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
+            raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
+        block = self.weight.shape[0]
+        local = tokens - self.start
+        mine = (local >= 0) & (local < block)
+        local = torch.where(mine, local, torch.zeros_like(local))
+        padding = None
+        if self.padding_idx is not None and 0 <= self.padding_idx - self.start < block:
+            padding = self.padding_idx - self.start
+        y = nn.functional.embedding(local, self.weight, padding_idx=padding)
+        y = y * mine.unsqueeze(-1).to(y.dtype)
+        comm = dict(groups=self.groups, backend=self.backend)
+        if self.output == "replicated":
+            return reduce_replicated(y, **comm)
+        dim = check_dim(self.dim, y.shape, op="VocabParallelEmbedding")
+        return reduce_scatter(y, dim, **comm)
+
+    def extra_repr(self) -> str:
+        return (
+            f"rows {self.start}..{self.start + self.weight.shape[0]} of {self.num_embeddings}, "
+            f"embedding_dim={self.embedding_dim}, output={self.output!r}, dim={self.dim}"
+        )
+
+
+class _VocabParallelCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(
+        ctx: Any,
+        logits: torch.Tensor,
+        target: torch.Tensor,
+        start: int,
+        ignore_index: int,
+        comm: dict[str, Any],
+    ) -> torch.Tensor:
+        x = logits.to(accumulation_dtype(logits.dtype))
+        block = x.shape[-1]
+        peak = all_gather(x.amax(-1, keepdim=True), x.dim() - 1, **comm).amax(-1, keepdim=True)
+        shifted = x - peak
+        exp = shifted.exp()
+        local = target - start
+        mine = (local >= 0) & (local < block)
+        local = torch.where(mine, local, torch.zeros_like(local))
+        picked = shifted.gather(-1, local.unsqueeze(-1)).squeeze(-1) * mine.to(x.dtype)
+        sums = all_reduce(torch.stack([exp.sum(-1), picked], -1), **comm)
+        total, target_logit = sums.unbind(-1)
+        kept = target != ignore_index
+        loss = (total.log() - target_logit) * kept.to(x.dtype)
+        ctx.save_for_backward(exp / total.unsqueeze(-1), local, mine & kept, kept)
+        ctx.dtype = logits.dtype
+        return loss
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        softmax, local, hit, kept = ctx.saved_tensors
+        onehot = torch.zeros_like(softmax).scatter_(-1, local.unsqueeze(-1), 1.0)
+        onehot = onehot * hit.unsqueeze(-1).to(softmax.dtype)
+        dx = (softmax - onehot) * (grad * kept.to(grad.dtype)).unsqueeze(-1)
+        return dx.to(ctx.dtype), None, None, None, None
+
+
+def vocab_parallel_cross_entropy(
+    logits: torch.Tensor,
+    target: torch.Tensor,
+    *,
+    ignore_index: int = -100,
+    reduction: str = "mean",
+    groups: Groups = None,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Cross-entropy of logits sharded over the vocabulary, equal to the unsharded one.
+
+    Per rank: ``logits [..., V/N]`` (this rank's block ``r`` of the vocabulary, as the LM head
+    :class:`~xla_permute.ColumnParallelLinear` gives it), ``target [...]`` (token ids in
+    ``[0, V)`` or ``ignore_index``, the same on every rank) -> the loss, the same on every rank:
+    ``l_t = log(sum_v exp(z_tv)) - z_t,target`` summed (``"sum"``), averaged over the tokens not
+    ignored (``"mean"``, as ``nn.functional.cross_entropy``) or per token (``"none"``,
+    ``[...]``). Computed in float32 for half-precision logits, else in their dtype. Backward
+    (no collective): ``dz_tv = (softmax(z_t)_v - [v = target_t]) dl_t`` on this rank's
+    ``V/N`` columns.
+    """
+    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
+        raise TypeError("logits and target must be tensors")
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if not logits.dtype.is_floating_point:
+        raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
+    if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
+        raise TypeError(f"target must be an integer tensor of token ids, got {target.dtype}")
+    if logits.dim() < 1 or tuple(target.shape) != tuple(logits.shape[:-1]):
+        raise ValueError(
+            f"target must have the logits' shape without the vocabulary dimension: logits "
+            f"{tuple(logits.shape)} needs target {tuple(logits.shape[:-1])}, got "
+            f"{tuple(target.shape)}"
+        )
+    ignore_index = check_int(ignore_index, "ignore_index")
+    chosen = check_tensor(logits, "logits", backend)
+    check_tensor(target, "target", backend)
+    _, position, _ = ring_of(groups, chosen)
+    comm = dict(groups=groups, backend=backend)
+    start = position * logits.shape[-1]
+    loss = _VocabParallelCrossEntropy.apply(logits, target, start, ignore_index, comm)
+    if reduction == "none":
+        return loss
+    if reduction == "sum":
+        return loss.sum()
+    return loss.sum() / (target != ignore_index).sum()
