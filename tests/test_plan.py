@@ -46,12 +46,13 @@ def _problem(options: dict, seq: int = 16):
 
 
 def _collectives(model: nn.Module, tokens: torch.Tensor, strategy: str) -> dict[str, int]:
-    """The collectives of the forward's program (traced, not run), by kind."""
+    """The collectives of the forward's program (traced, not run), by kind, as the native
+    backend (TPU, Neuron) issues them: the CPU mesh's own permutes are all-gathers."""
     import torch_xla
 
     dev = torch_xla.device()
     model = model.to(dev)
-    xp.parallelize_module(model, None, lp.plan(model), strategy=strategy)
+    xp.parallelize_module(model, None, lp.plan(model), strategy=strategy, backend="native")
     with xp.hlo.tracing():
         logits = model(tokens.to(dev)).logits
         program = xp.hlo.parse(xp.hlo.trace(logits))

@@ -108,14 +108,14 @@ def _row_options(style: Any, name: str) -> tuple[Layout, dict[str, Any]]:
             f"{name}: RowwiseParallel(output_layouts=Shard({dim})): the output is summed over "
             f"ranks, then whole (Replicate()) or scattered along the sequence (Shard(1))"
         )
-    return inp, {"sequence_parallel": kind == "shard", **({"dim": dim} if dim else {})}
+    return inp, {"sequence_parallel": kind == "shard", "dim": 1 if dim is None else dim}
 
 
 def _build(
     name: str, module: nn.Module, style: Any, comm: dict[str, Any], layer: dict[str, Any]
 ) -> tuple[nn.Module | None, Layout | None]:
-    """This rank's replacement of ``module`` (None: the module stays, wrapped) and the
-    activation layout the style declares (to know whether the plan shards the sequence)."""
+    """This rank's replacement of ``module`` (None: the module stays, wrapped) and, when the
+    style puts activations on sequence shards, their layout ``("shard", d)`` (else None)."""
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,
         PrepareModuleInput,
@@ -134,7 +134,8 @@ def _build(
             )
         options = _column_options(style, name)
         new = ColumnParallelLinear.from_linear(module, **comm, **layer, **options)
-        return new.to(module.weight.device), ("shard", options.get("dim"))
+        sequence = ("shard", options["dim"]) if options["sequence_parallel"] else None
+        return new.to(module.weight.device), sequence
     if isinstance(style, RowwiseParallel):
         inp, options = _row_options(style, name)
         if isinstance(module, nn.Embedding):
@@ -144,7 +145,7 @@ def _build(
                     f"whole: RowwiseParallel(input_layouts=Replicate())"
                 )
             output = "sequence" if options["sequence_parallel"] else "replicated"
-            dim = options.get("dim", 1)
+            dim = options["dim"]
             new = VocabParallelEmbedding.from_embedding(module, output=output, dim=dim, **comm)
             return new, ("shard", dim) if output == "sequence" else None
         if not isinstance(module, nn.Linear):
@@ -158,7 +159,8 @@ def _build(
                 f"the output of a ColwiseParallel), got {style.input_layouts[0]!r}"
             )
         new = RowParallelLinear.from_linear(module, **comm, **layer, **options)
-        return new.to(module.weight.device), ("shard", options.get("dim", 1))
+        sequence = ("shard", options["dim"]) if options["sequence_parallel"] else None
+        return new.to(module.weight.device), sequence
     if isinstance(style, SequenceParallel):
         return None, ("shard", style.sequence_sharding[0].dim)
     if isinstance(style, PrepareModuleInput):
@@ -299,7 +301,7 @@ def parallelize_module(
     built = {
         name: _build(name, named[name], style, comm, layer) for name, (_, style) in chosen.items()
     }
-    if any(lay is not None and lay[1] != -1 for _, lay in built.values()):
+    if any(sequence is not None for _, sequence in built.values()):
         _check_covered(module, chosen)
     reduce = dict(groups=groups, backend=backend)
     for name, (new, _) in built.items():
