@@ -2,7 +2,7 @@
 
 One 4-device launch runs them all, each as a user writes it: a loop that drops each permute's
 result before ``torch_xla.sync()``; 130+ good and bad calls with a ``mark_step`` after each and
-every result dropped; a Hugging Face Llama made tensor-parallel by hand (tests/llama_tp.py),
+every result dropped; a Hugging Face Llama made tensor-parallel by one plan (tests/llama_plan.py),
 3 AdamW steps against one device; a module argument that each rank moves to its device; and the
 ops under ``torch.compile``, refused on every rank. A second launch, with the debug mode off,
 checks that the default (sampled) agreement check still catches a rank passing bfloat16 or
@@ -14,7 +14,7 @@ from __future__ import annotations
 import copy
 import json
 
-import llama_tp
+import llama_plan
 import pytest
 import torch
 from torchrun import torchrun
@@ -123,20 +123,26 @@ def _copies(module: torch.nn.Module) -> tuple[int, str]:
     return id(module), str(module.weight.device)
 
 
+def _device() -> torch.device:
+    import torch_xla
+
+    return torch_xla.device()
+
+
 def _programs(module: torch.nn.Module, full, tokens: torch.Tensor) -> dict:
     return {
         "copies": _copies(module),
         "dropped": _dropped_results(),
         "mixed": _mixed_calls(),
-        "llama": llama_tp.train(full, tokens, steps=3),
+        "llama": llama_plan.train(full, tokens, 3, _device())[1],
         "compile": _compiled(),
     }
 
 
 @pytest.fixture(scope="module")
 def llama():
-    cfg = llama_tp.config(layers=2, hidden=64, heads=4, kv_heads=2, vocab=128)
-    full = llama_tp.model(cfg)
+    cfg = llama_plan.config(layers=2, hidden=64, heads=4, kv_heads=2, vocab=128)
+    full = llama_plan.model(cfg, dtype=torch.float32)
     tokens = torch.randint(0, cfg.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     return full, tokens
 
@@ -159,7 +165,7 @@ def test_130_good_and_bad_calls_with_a_mark_step_after_each_complete(programs):
 
 def test_a_tensor_parallel_hugging_face_llama_trains_as_on_one_device(programs, llama):
     full, tokens = llama
-    want = llama_tp.reference_losses(copy.deepcopy(full), tokens, steps=3)
+    want = llama_plan.reference(copy.deepcopy(full), tokens, steps=3)[1]
     for p in programs:
         assert p["llama"] == pytest.approx(want, rel=1e-5)
     assert want[-1] < want[0]  # it trains
@@ -222,7 +228,7 @@ def test_the_default_check_catches_bfloat16_and_uneven_shards_with_debug_off():
 
 
 def test_the_default_check_catches_gloo_disagreements_on_every_rank(tmp_path):
-    script = llama_tp.__file__.replace("llama_tp.py", "dist_disagreements.py")
+    script = llama_plan.__file__.replace("llama_plan.py", "dist_disagreements.py")
     from pathlib import Path
 
     code, output, _ = torchrun(Path(script), 4, str(tmp_path), timeout=240,
