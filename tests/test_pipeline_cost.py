@@ -5,7 +5,8 @@ from __future__ import annotations
 import pytest
 
 from xla_permute import make_schedule
-from xla_permute.cost import TORCHTITAN_405B, predict_pipeline, step_time, torchtitan_comparison
+from xla_permute.cost import predict_pipeline, step_time
+from xla_permute_tools.validation import TORCHTITAN_405B, torchtitan_comparison
 
 
 @pytest.mark.parametrize(

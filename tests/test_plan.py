@@ -63,11 +63,79 @@ def _collectives(model: nn.Module, tokens: torch.Tensor, strategy: str) -> dict[
     return counts
 
 
-def _mesh_cases(problems: dict, traced: tuple) -> dict:
+def _unit_modules(n: int) -> dict:
+    """The modules of :func:`_units`, built on the host (the rank threads share torch's RNG)."""
+    torch.manual_seed(3)
+    qkv, o = nn.Linear(16, 48), nn.Linear(32, 16)
+    q, k, v = (nn.Linear(16, rows) for rows in (32, 8, 8))
+    with torch.no_grad():
+        for lin, rows in ((q, slice(0, 32)), (k, slice(32, 40)), (v, slice(40, 48))):
+            lin.weight.copy_(qkv.weight[rows])
+            lin.bias.copy_(qkv.bias[rows])
+    pair = [nn.Linear(4, 2 * n) for _ in "ab"]
+    return {
+        "attention": (qkv, q, k, v, o),
+        "pair": pair,
+        "emb": nn.Embedding(4 * n, 3, padding_idx=1),
+    }
+
+
+def _units(dev: torch.device, modules: dict) -> dict:
+    """The pieces on their own, against plain torch on the same rank: a fused qkv projection,
+    the loss with ignored tokens, a shared ring whose members read different inputs, an
+    embedding's padding row."""
+    import warnings
+
+    import torch_xla.runtime as xr
+
+    n, r = xr.world_size(), xr.global_ordinal()
+    g = torch.Generator().manual_seed(5)
+    out: dict = {}
+    # Fused [q | k | v] (8 heads, 2 KV heads, head_dim 4) against the same rows as three Linears.
+    qkv, q, k, v, o = modules["attention"]
+    x = torch.randn(2, 8 // n, 16, generator=g).to(dev)
+    fused = xp.ParallelAttention.from_linears(qkv=qkv, o=o, heads=8, kv_heads=2)
+    apart = xp.ParallelAttention.from_linears(q, k, v, o, heads=8, kv_heads=2)
+    out["fused qkv"] = (fused.to(dev)(x) - apart.to(dev)(x)).abs().max().item()
+    # The loss of vocabulary shards, tokens ignored, against cross_entropy of the whole.
+    logits = torch.randn(2, 6, 8 * n, generator=g)
+    target = torch.randint(0, 8 * n, (2, 6), generator=g)
+    target[0, :3] = -100
+    mine = logits[..., r * 8 : (r + 1) * 8].to(dev).requires_grad_()
+    loss = xp.vocab_parallel_cross_entropy(mine, target.to(dev))
+    loss.backward()
+    whole = logits.clone().requires_grad_()
+    want = nn.functional.cross_entropy(whole.flatten(0, 1), target.flatten())
+    want.backward()
+    out["loss"] = abs(loss.item() - want.item())
+    out["loss grad"] = (mine.grad.cpu() - whole.grad[..., r * 8 : (r + 1) * 8]).abs().max().item()
+    # A shared ring whose members are called with different inputs: right results, unshared
+    # (its warning is checked on the host: rank threads cannot catch warnings apart).
+    a, b = (xp.ColumnParallelLinear.from_linear(lin).to(dev) for lin in modules["pair"])
+    xp.share_ring([a, b])
+    x1, x2 = (torch.full((1, 2, 4), float(i), device=dev) for i in (1, 2))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        got = [a(x1), b(x2)]
+    want_b = xp.all_gather_matmul(x2, b.weight.T, dim=1) + b.bias
+    out["ring mismatch"] = ((got[1] - want_b).abs().max().item(), b.ring is None)
+    # An embedding with a padding row: the same lookup, no gradient for that row.
+    emb = modules["emb"]
+    par = xp.VocabParallelEmbedding.from_embedding(emb, output="replicated").to(dev)
+    tokens = torch.tensor([[0, 1, 2, 4 * n - 1]])
+    y = par(tokens.to(dev))
+    y.sum().backward()
+    out["embedding"] = (y.cpu() - emb(tokens)).abs().max().item()
+    out["padding grad"] = par.weight.grad.cpu()[1].abs().sum().item() if r == 0 else 0.0
+    return out
+
+
+def _mesh_cases(problems: dict, traced: tuple, modules: dict) -> dict:
     import torch_xla
 
     dev = torch_xla.device()
-    out = {
+    out = {"units": _units(dev, modules)}
+    out |= {
         name: lp.train(model, tokens, STEPS, dev, plan, **options)
         for name, (model, tokens, plan, options) in problems.items()
     }
@@ -82,7 +150,7 @@ def mesh4() -> list[dict]:
     problems = {
         name: (*_problem(cfg), plan, options) for name, (cfg, plan, options) in CASES.items()
     }
-    return xp.run_on_mesh(_mesh_cases, problems, _problem({"kv_heads": 2}), n=4)
+    return xp.run_on_mesh(_mesh_cases, problems, _problem({"kv_heads": 2}), _unit_modules(4), n=4)
 
 
 def _check(got: list, model: nn.Module, tokens: torch.Tensor) -> None:
@@ -108,6 +176,16 @@ def test_every_matmul_of_a_block_is_a_ring(mesh4):
         # The embedding's reduce-scatter stays (a lookup, no matmul to overlap it with).
         assert ring == {"collective-permute": rings * (n - 1), "reduce-scatter": 1}
         assert baseline == {"all-gather": 2 * layers + 1, "reduce-scatter": 2 * layers + 1}
+
+
+def test_fused_qkv_the_sharded_loss_a_split_ring_and_padding_equal_plain_torch(mesh4):
+    for rank in mesh4:
+        u = rank["units"]
+        assert u["fused qkv"] < 1e-6
+        assert u["loss"] < 1e-6 and u["loss grad"] < 1e-6
+        gap, unshared = u["ring mismatch"]
+        assert gap == 0 and unshared
+        assert u["embedding"] == 0 and u["padding grad"] == 0
 
 
 def _eight(model: nn.Module, tokens: torch.Tensor) -> tuple:
@@ -230,3 +308,24 @@ def test_the_vocab_parallel_loss_refuses_mismatched_targets():
         xp.vocab_parallel_cross_entropy(logits, torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="integer tensor"):
         xp.vocab_parallel_cross_entropy(logits, torch.zeros(2, 3))
+
+
+def test_a_shared_ring_called_with_two_inputs_warns_and_stops_sharing(monkeypatch):
+    import xla_permute.layers as layers
+
+    calls = []
+
+    def column(members, x):  # the ring, as plain matmuls
+        calls.append(len(members))
+        return tuple(x @ m.weight.T for m in members)
+
+    monkeypatch.setattr(layers, "_column", column)
+    a, b = (xp.ColumnParallelLinear(4, 8, bias=False, world_size=4, rank=0) for _ in "ab")
+    xp.share_ring([a, b])
+    x1, x2 = torch.ones(1, 2, 4), torch.full((1, 2, 4), 2.0)
+    assert torch.equal(a(x1), x1 @ a.weight.T) and torch.equal(b(x1), x1 @ b.weight.T)
+    assert calls == [2]  # one ring for both
+    a(x1)
+    with pytest.warns(UserWarning, match="called with different inputs"):
+        assert torch.equal(b(x2), x2 @ b.weight.T)
+    assert a.ring is None and b.ring is None and calls == [2, 2, 1]

@@ -3,7 +3,8 @@
 :func:`validation_table` lists published times (the scaling book's TPU
 example, the JAX Pallas Mosaic GPU collective matmul on H100) with the model's predictions;
 ``kind`` tells a real prediction from a fit (the figure set a model input) and an identity.
-:func:`scaling_book_chip_check` asks which TPU the book's example ran on.
+:func:`scaling_book_chip_check` asks which TPU the book's example ran on;
+:func:`torchtitan_comparison` sets the pipeline model beside torchtitan's published runs.
 
 >>> rows = validation_table()
 >>> sorted({r.kind for r in rows})
@@ -29,11 +30,14 @@ from xla_permute.cost.model import (
     matmul_time,
     ring_collective_time,
 )
+from xla_permute.cost.pipeline import predict_pipeline
 
 __all__ = [
+    "TORCHTITAN_405B",
     "ValidationRow",
     "format_validation_table",
     "scaling_book_chip_check",
+    "torchtitan_comparison",
     "validation_table",
 ]
 
@@ -238,3 +242,39 @@ def format_validation_table(rows: Sequence[ValidationRow] | None = None) -> str:
             f"| {r.ratio:.2f} | {r.kind} |"
         )
     return "\n".join(lines)
+
+
+#: torchtitan's published Llama 3.1 405B runs on 512 H100 (FSDP 8, TP 8, PP 8, local batch
+#: size 32, full activation checkpointing), Table 5 of
+#: https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md
+#: (memory: the maximum over all GPUs).
+TORCHTITAN_405B = {
+    "1f1b": {"tokens_per_s_per_gpu": 100.0, "memory_gib": 82.5},
+    "interleaved": {"tokens_per_s_per_gpu": 128.0, "memory_gib": 72.7},
+}
+
+
+def torchtitan_comparison(micro_batches: int = 32, stages_per_rank: int = 2) -> dict[str, float]:
+    """The model's 1F1B -> interleaved ratios at torchtitan's PP 8 beside the published ones.
+
+    Assumed (the table does not say): ``micro_batches`` micro-batches per step (local batch
+    32 in micro-batches of 1) and ``stages_per_rank`` stages per rank; no shift cost. Returns the
+    predicted and published throughput ratios and activation-memory / total-memory ratios.
+
+    >>> c = torchtitan_comparison()
+    >>> c["published_throughput"], round(c["predicted_throughput"], 3)
+    (1.28, 1.099)
+    """
+    one = predict_pipeline("1f1b", 8, micro_batches)
+    inter = predict_pipeline("interleaved", 8, micro_batches, stages_per_rank)
+    published = TORCHTITAN_405B
+    return {
+        "predicted_throughput": inter.throughput_ratio(one),
+        "published_throughput": (
+            published["interleaved"]["tokens_per_s_per_gpu"]
+            / published["1f1b"]["tokens_per_s_per_gpu"]
+        ),
+        "predicted_activations": inter.activations / one.activations,
+        "published_memory": published["interleaved"]["memory_gib"]
+        / published["1f1b"]["memory_gib"],
+    }

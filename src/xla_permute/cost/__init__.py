@@ -39,18 +39,11 @@ from xla_permute.cost.model import (
     ring_collective_time,
     speedup,
 )
-from xla_permute.cost.pipeline import (
-    TORCHTITAN_405B,
-    PipelinePrediction,
-    predict_pipeline,
-    step_time,
-    torchtitan_comparison,
-)
+from xla_permute.cost.pipeline import PipelinePrediction, predict_pipeline, step_time
 from xla_permute.cost.strategy import choose_strategy, detected_chip
 
 __all__ = [
     "CHIPS",
-    "TORCHTITAN_405B",
     "Chip",
     "PipelinePrediction",
     "Prediction",
@@ -71,5 +64,4 @@ __all__ = [
     "ring_collective_time",
     "speedup",
     "step_time",
-    "torchtitan_comparison",
 ]

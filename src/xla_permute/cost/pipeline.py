@@ -39,10 +39,8 @@ from xla_permute.pipeline.schedule import PipelineSchedule, units
 
 __all__ = [
     "PipelinePrediction",
-    "TORCHTITAN_405B",
     "predict_pipeline",
     "step_time",
-    "torchtitan_comparison",
 ]
 
 
@@ -160,39 +158,3 @@ def predict_pipeline(
         bubble_fraction=s.bubble_fraction,
         activations=max(s.peak_in_flight) / stages_per_rank,
     )
-
-
-#: torchtitan's published Llama 3.1 405B runs on 512 H100 (FSDP 8, TP 8, PP 8, local batch
-#: size 32, full activation checkpointing), Table 5 of
-#: https://github.com/pytorch/torchtitan/blob/main/benchmarks/llama3_h100_202412_torchtitan.md
-#: (memory: the maximum over all GPUs).
-TORCHTITAN_405B = {
-    "1f1b": {"tokens_per_s_per_gpu": 100.0, "memory_gib": 82.5},
-    "interleaved": {"tokens_per_s_per_gpu": 128.0, "memory_gib": 72.7},
-}
-
-
-def torchtitan_comparison(micro_batches: int = 32, stages_per_rank: int = 2) -> dict[str, float]:
-    """The model's 1F1B -> interleaved ratios at torchtitan's PP 8 beside the published ones.
-
-    Assumed (the table does not say): ``micro_batches`` micro-batches per step (local batch
-    32 in micro-batches of 1) and ``stages_per_rank`` stages per rank; no shift cost. Returns the
-    predicted and published throughput ratios and activation-memory / total-memory ratios.
-
-    >>> c = torchtitan_comparison()
-    >>> c["published_throughput"], round(c["predicted_throughput"], 3)
-    (1.28, 1.099)
-    """
-    one = predict_pipeline("1f1b", 8, micro_batches)
-    inter = predict_pipeline("interleaved", 8, micro_batches, stages_per_rank)
-    published = TORCHTITAN_405B
-    return {
-        "predicted_throughput": inter.throughput_ratio(one),
-        "published_throughput": (
-            published["interleaved"]["tokens_per_s_per_gpu"]
-            / published["1f1b"]["tokens_per_s_per_gpu"]
-        ),
-        "predicted_activations": inter.activations / one.activations,
-        "published_memory": published["interleaved"]["memory_gib"]
-        / published["1f1b"]["memory_gib"],
-    }

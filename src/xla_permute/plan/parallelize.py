@@ -320,9 +320,7 @@ def parallelize_module(
     return module
 
 
-def _refuse_padding_mask(
-    module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]
-) -> None:
+def _refuse_padding_mask(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
     """A Hugging Face model's padding mask would be dropped by its parallel attentions."""
     if kwargs.get("attention_mask") is not None or len(args) > 1:
         raise ValueError(
