@@ -113,6 +113,40 @@ def train(full, tokens: torch.Tensor, steps: int, device, plan_name: str = "sp",
     return first.cpu(), [float(v) for v in torch.stack(losses).cpu()], norms
 
 
+def train_context(full, tokens: torch.Tensor, steps: int, device, tp: int, cp: int, layout: str):
+    """TP x CP (:class:`xla_permute.Mesh2D`): the plan over each TP group, ring attention over
+    each CP group; this rank's tokens are its CP shard (``layout``). The loss of a rank is its
+    tokens' sum over ``B * S`` (the CP ranks' terms add up to the mean). Returns the rank's
+    first logits ``[B, S/C, V]``, the global losses, and the norms' weights."""
+    import xla_permute as xp
+
+    mesh = xp.Mesh2D(tp=tp, cp=cp)
+    _, c = mesh.coords()
+    full = full.to(device)
+    xp.parallelize_module(
+        full, mesh.tp_groups, plan(full), context_groups=mesh.cp_groups, layout=layout
+    )
+    mine = xp.shard_sequence(tokens, dim=1, n=cp, layout=layout)[c].to(device)
+    goal = xp.shard_sequence(targets(tokens), dim=1, n=cp, layout=layout)[c].to(device)
+    opt = torch.optim.AdamW(full.parameters(), lr=1e-2)
+    losses, first = [], None
+    for _ in range(steps):
+        logits = full(mine).logits  # [B, S/C, V/T]
+        if first is None:
+            first = xp.all_gather(logits.detach(), 2, groups=mesh.tp_groups)
+        total = xp.vocab_parallel_cross_entropy(
+            logits, goal, reduction="sum", groups=mesh.tp_groups
+        )
+        loss = total / tokens.numel()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(xp.all_reduce(loss.detach(), groups=mesh.cp_groups))
+        _sync(device)
+    norms = {n: p.detach().cpu() for n, p in full.named_parameters() if "norm" in n}
+    return first.cpu(), [float(v) for v in torch.stack(losses).cpu()], norms
+
+
 def _sync(device) -> None:
     if str(device).startswith("xla"):
         import torch_xla

@@ -188,6 +188,25 @@ def test_fused_qkv_the_sharded_loss_a_split_ring_and_padding_equal_plain_torch(m
         assert u["embedding"] == 0 and u["padding grad"] == 0
 
 
+def _context(model: nn.Module, tokens: torch.Tensor) -> tuple:
+    import torch_xla
+
+    return lp.train_context(model, tokens, STEPS, torch_xla.device(), 2, 2, "zigzag")
+
+
+def test_tp_sp_and_ring_attention_on_a_2x2_mesh_equal_one_device():
+    model, tokens = _problem({"kv_heads": 2})
+    got = xp.run_on_mesh(_context, model, tokens, n=4)
+    want_logits, want_losses = lp.reference(copy.deepcopy(model), tokens, STEPS)
+    shards = torch.stack([got[xp.Mesh2D(tp=2, cp=2).rank(0, c)][0] for c in range(2)])
+    logits = xp.unshard_sequence(shards, dim=1, layout="zigzag")
+    assert torch.allclose(logits, want_logits, rtol=0, atol=ATOL)
+    for rank, (_, losses, norms) in enumerate(got):
+        assert losses == pytest.approx(want_losses, rel=1e-6), rank
+        for name, weight in norms.items():
+            assert torch.equal(weight, got[0][2][name]), (rank, name)
+
+
 def _eight(model: nn.Module, tokens: torch.Tensor) -> tuple:
     import torch_xla
 

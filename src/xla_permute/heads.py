@@ -17,6 +17,12 @@ Per rank (N ranks of a group, ``Hq`` query and ``Hkv`` key/value heads of size `
 Without sequence parallelism (``sequence_parallel=False``) x and y are ``[B, S, H]``, replicated,
 and the only collective is the all-reduce of ``o_proj`` (Megatron's layout).
 
+**Context parallelism** (``context_groups``, the groups of ranks that split the sequence, as
+:class:`~xla_permute.Mesh2D`'s ``cp_groups``): the tensor-parallel group holds one context
+shard of ``S/C`` tokens in ``layout``; step 3 is then :func:`~xla_permute.ring_attention` over
+the context group (K/V travel round it, causal blocks skipped) and ``positions`` are the
+shard's global positions (:func:`~xla_permute.sequence.layout_positions`).
+
 **Key/value heads.** ``Hkv % N == 0``: rank r holds KV heads ``r*Hkv/N ...``. ``N % Hkv == 0``
 (fewer KV heads than ranks): KV head ``j`` is held whole by the ``N/Hkv`` consecutive ranks of
 its query heads; each copy's gradient covers its rank's query heads only, so the copies'
@@ -35,10 +41,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from xla_permute.attention import ring_attention
+from xla_permute.backends.select import ring_of
 from xla_permute.collectives import sum_gradients
 from xla_permute.layers import ColumnParallelLinear, RowParallelLinear, _column, _world
 from xla_permute.pairs import GroupsLike as Groups
 from xla_permute.pairs import check_int
+from xla_permute.sequence import check_layout, layout_positions
 
 __all__ = ["ParallelAttention", "kv_head_groups"]
 
@@ -104,6 +113,8 @@ class ParallelAttention(nn.Module):
         position_fn: PositionFn | None = None,
         causal: bool = True,
         returns_weights: bool = False,
+        context_groups: Groups = None,
+        layout: str = "contiguous",
     ) -> None:
         super().__init__()
         self.q_proj, self.k_proj, self.v_proj = qkv
@@ -113,6 +124,8 @@ class ParallelAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads // n, max(1, kv_heads // n), head_dim
         self.position_fn, self.causal = position_fn, bool(causal)
         self.returns_weights = bool(returns_weights)
+        self.context_groups = None if context_groups is None else [list(g) for g in context_groups]
+        self.layout = check_layout(layout)
 
     @classmethod
     def from_linears(
@@ -129,6 +142,8 @@ class ParallelAttention(nn.Module):
         position_fn: PositionFn | None = None,
         causal: bool = True,
         returns_weights: bool = False,
+        context_groups: Groups = None,
+        layout: str = "contiguous",
         groups: Groups = None,
         backend: str = "auto",
         world_size: int | None = None,
@@ -179,6 +194,8 @@ class ParallelAttention(nn.Module):
             position_fn=position_fn,
             causal=causal,
             returns_weights=returns_weights,
+            context_groups=context_groups,
+            layout=layout,
         )
 
     def _kv_weights(self) -> list[torch.Tensor | None]:
@@ -203,11 +220,27 @@ class ParallelAttention(nn.Module):
             t.view(b, s, h, self.head_dim).transpose(1, 2)
             for t, h in zip(qkv, (self.heads, self.kv_heads, self.kv_heads), strict=True)
         )
+        if self.context_groups is None:
+            positions = torch.arange(s)
+        else:
+            size, position, _ = ring_of(self.context_groups, self.o_proj.backend)
+            positions = layout_positions(size, position, self.layout, s)
         if self.position_fn is not None:
-            q, k = self.position_fn(q, k, torch.arange(s, device=x.device))
-        group = self.heads // self.kv_heads
-        k, v = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k, v))
-        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
+            q, k = self.position_fn(q, k, positions.to(x.device))
+        if self.context_groups is not None:
+            out = ring_attention(
+                q,
+                k,
+                v,
+                causal=self.causal,
+                layout=self.layout,
+                groups=self.context_groups,
+                backend=self.o_proj.backend,
+            )
+        else:
+            group = self.heads // self.kv_heads
+            k, v = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k, v))
+            out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=self.causal)
         y = self.o_proj(out.transpose(1, 2).reshape(b, s, self.heads * self.head_dim))
         return (y, None) if self.returns_weights else y
 
@@ -235,7 +268,8 @@ class ParallelAttention(nn.Module):
 
     def extra_repr(self) -> str:
         kv = "" if self.kv_groups is None else f", kv copies summed over {self.kv_groups}"
-        return f"heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}{kv}"
+        cp = "" if self.context_groups is None else f", ring over {self.context_groups}"
+        return f"heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}{kv}{cp}"
 
 
 def _split_fused(qkv: nn.Linear, q_rows: int, kv_rows: int) -> tuple[nn.Linear, ...]:

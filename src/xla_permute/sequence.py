@@ -25,7 +25,7 @@ import torch
 
 from xla_permute.pairs import check_dim, check_int
 
-__all__ = ["LAYOUTS", "layout_chunks", "shard_sequence", "unshard_sequence"]
+__all__ = ["LAYOUTS", "layout_chunks", "layout_positions", "shard_sequence", "unshard_sequence"]
 
 LAYOUTS: tuple[str, ...] = ("contiguous", "zigzag")
 
@@ -47,6 +47,17 @@ def layout_chunks(n: int, rank: int, layout: str) -> tuple[int, ...]:
     """
     check_layout(layout)
     return (rank,) if layout == "contiguous" else (rank, 2 * n - 1 - rank)
+
+
+def layout_positions(n: int, rank: int, layout: str, length: int) -> torch.Tensor:
+    """The global positions of the ``length`` tokens rank ``rank`` of ``n`` holds, in order.
+
+    >>> layout_positions(2, 1, "zigzag", 4).tolist()
+    [2, 3, 4, 5]
+    """
+    chunks = layout_chunks(n, rank, layout)
+    size = length // len(chunks)
+    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
 
 
 def shard_sequence(

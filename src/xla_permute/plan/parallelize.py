@@ -42,6 +42,7 @@ from xla_permute.layers import ColumnParallelLinear, RowParallelLinear, _world, 
 from xla_permute.pairs import GroupsLike as Groups
 from xla_permute.plan.styles import HeadwiseParallel, Layout, layout_of, one_layout
 from xla_permute.regions import gather_replicated
+from xla_permute.sequence import check_layout
 from xla_permute.vocab import VocabParallelEmbedding
 
 __all__ = ["parallelize_module"]
@@ -112,7 +113,12 @@ def _row_options(style: Any, name: str) -> tuple[Layout, dict[str, Any]]:
 
 
 def _build(
-    name: str, module: nn.Module, style: Any, comm: dict[str, Any], layer: dict[str, Any]
+    name: str,
+    module: nn.Module,
+    style: Any,
+    comm: dict[str, Any],
+    layer: dict[str, Any],
+    context: dict[str, Any],
 ) -> tuple[nn.Module | None, Layout | None]:
     """This rank's replacement of ``module`` (None: the module stays, wrapped) and, when the
     style puts activations on sequence shards, their layout ``("shard", d)`` (else None)."""
@@ -179,6 +185,7 @@ def _build(
             position_fn=style.position_fn,
             causal=style.causal,
             returns_weights=style.hf_outputs(module),
+            **context,
             **comm,
             **layer,
             **sp,
@@ -260,6 +267,8 @@ def parallelize_module(
     strategy: str = "ring",
     bidirectional: bool = False,
     share_rings: bool = True,
+    context_groups: Groups = None,
+    layout: str = "contiguous",
     backend: str = "auto",
     world_size: int | None = None,
     rank: int | None = None,
@@ -275,6 +284,11 @@ def parallelize_module(
         share_rings: column-parallel siblings with sequence-sharded inputs share one ring
             (a ring whose members turn out to read different inputs stops sharing, with a
             warning, and its results stay right).
+        context_groups, layout: context parallelism (module docstring of
+            :mod:`xla_permute.heads`): the groups that split the sequence (``Mesh2D``'s
+            ``cp_groups``; ``groups`` then its ``tp_groups``) and the layout of each rank's
+            context shard; every parameter's gradient is then also summed over its context
+            group (each holds other tokens). The attentions run ring attention over it.
         backend, world_size, rank: as the layers' (None: asked from the running mesh or
             process group).
 
@@ -298,8 +312,10 @@ def parallelize_module(
                     f"{inner[0]!r} is inside {name!r}, which {type(style).__name__} takes "
                     f"whole; remove the plan key {chosen[inner[0]][0]!r}"
                 )
+    context = dict(context_groups=context_groups, layout=check_layout(layout))
     built = {
-        name: _build(name, named[name], style, comm, layer) for name, (_, style) in chosen.items()
+        name: _build(name, named[name], style, comm, layer, context)
+        for name, (_, style) in chosen.items()
     }
     if any(sequence is not None for _, sequence in built.values()):
         _check_covered(module, chosen)
@@ -315,6 +331,8 @@ def parallelize_module(
             _gather_inputs(named[name], style, name, r, reduce)
     if share_rings:
         _share_sibling_rings(module)
+    if context_groups is not None:  # each context rank holds other tokens: sum everything
+        _sum_gradients_on_use(module, dict(groups=context_groups, backend=backend))
     if any(isinstance(new, ParallelAttention) and new.returns_weights for new, _ in built.values()):
         module.register_forward_pre_hook(_refuse_padding_mask, with_kwargs=True)
     return module
