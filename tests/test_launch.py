@@ -191,8 +191,8 @@ def test_result_that_cannot_be_sent_back_names_the_rank():
 @pytest.mark.parametrize(
     ("kwargs", "error", "match"),
     [
-        ({"n": 0}, ValueError, "n must be >= 1"),
-        ({"n": -2}, ValueError, "n must be >= 1"),
+        ({"n": 0}, ValueError, "n must be an int >= 1, got 0; the number of devices"),
+        ({"n": -2}, ValueError, "n must be an int >= 1"),
         ({"n": 2.0}, TypeError, "n must be an int"),
         ({"n": True}, TypeError, "n must be an int"),
         ({"timeout": -1}, ValueError, "timeout must be > 0"),

@@ -59,12 +59,16 @@ def test_gpipe_forward_ticks(stages, micro_batches):
 @pytest.mark.parametrize(
     ("call", "error", "words"),
     [
-        (lambda: make_schedule("gpipe", 4, 0), ValueError, ["micro_batches=0 is below 1"]),
-        (lambda: make_schedule("gpipe", 0, 4), ValueError, ["ranks=0 is below 1"]),
+        (
+            lambda: make_schedule("gpipe", 4, 0),
+            ValueError,
+            ["micro_batches must be an int >= 1, got 0"],
+        ),
+        (lambda: make_schedule("gpipe", 0, 4), ValueError, ["ranks must be an int >= 1, got 0"]),
         (lambda: make_schedule("gpipe", 4, 2.0), TypeError, ["micro_batches must be an int"]),
         (lambda: pipeline_groups(4, 3), ValueError, ["stages=3 does not divide the 4", "2, 4]"]),
         (lambda: pipeline_groups(6, 4), ValueError, ["[1, 2, 3, 6]"]),
-        (lambda: pipeline_groups(4, -2), ValueError, ["stages=-2 is below 1"]),
+        (lambda: pipeline_groups(4, -2), ValueError, ["stages must be an int >= 1, got -2"]),
     ],
 )
 def test_bad_counts(call, error, words):
@@ -165,7 +169,7 @@ CASES = _cases()
 ERRORS = [
     "ValueError: inputs has shape ()",  # (0, ...): no micro-batch, the empty result
     "ValueError: stages=3 does not divide the 4 ranks",
-    "ValueError: stages=0 is below 1",
+    "ValueError: stages must be an int >= 1, got 0",
     "ValueError: stage returned (2,) for an input of shape (2, 4)",
     "TypeError: stage must be a callable",
     "TypeError: wrap must be None",

@@ -89,5 +89,5 @@ def test_step_and_permute_counts(n):
 
 
 def test_bad_n():
-    with pytest.raises(ValueError, match="n must be >= 1"):
+    with pytest.raises(ValueError, match="n must be an int >= 1"):
         ring_steps(0, False)

@@ -19,6 +19,7 @@ Decomposition(cycles=((0, 1),), chains=((2, 3),))
 
 from __future__ import annotations
 
+import contextlib
 import operator
 from collections.abc import Iterable, Sequence
 from typing import NamedTuple
@@ -49,11 +50,18 @@ GroupsLike = Sequence[Sequence[int]] | None
 
 
 def check_int(
-    value: object, name: str, minimum: int | None = None, below: int | None = None
+    value: object,
+    name: str,
+    minimum: int | None = None,
+    below: int | None = None,
+    *,
+    fix: str | None = None,
 ) -> int:
-    """``value`` if it is an int (a bool is not) with ``minimum <= value < below``.
+    """``value`` as an int (a numpy or torch integer scalar too; a bool is not one) with
+    ``minimum <= value < below``.
 
-    Raises TypeError (not an int) or ValueError (out of range), naming ``name`` and the range.
+    Raises TypeError (not an int) or ValueError (out of range), naming ``name``, the range and,
+    when given, the ``fix``. The one int check of the package.
 
     >>> check_int(3, "n", 1)
     3
@@ -67,10 +75,16 @@ def check_int(
     else:
         bounds = f" >= {minimum}" if minimum is not None else ""
         bounds += f" < {below}" if below is not None else ""
+    hint = f"; {fix}" if fix else ""
+    if not isinstance(value, bool) and not isinstance(value, int):
+        with contextlib.suppress(TypeError):  # numpy / torch integer scalars
+            value = operator.index(value)  # type: ignore[arg-type]
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int{bounds}, got {value!r} ({type(value).__name__})")
+        raise TypeError(
+            f"{name} must be an int{bounds}, got {value!r} ({type(value).__name__}){hint}"
+        )
     if (minimum is not None and value < minimum) or (below is not None and value >= below):
-        raise ValueError(f"{name} must be an int{bounds}, got {value!r}")
+        raise ValueError(f"{name} must be an int{bounds}, got {value!r}{hint}")
     return value
 
 

@@ -61,8 +61,7 @@ class RingStep:
 
 def ring_steps(n: int, bidirectional: bool) -> tuple[int, int]:
     """Hops travelled in the ``+1`` and ``-1`` directions: ``(N-1, 0)`` or ``(N//2, (N-1)//2)``."""
-    if n < 1:
-        raise ValueError(f"n must be >= 1, got {n}")
+    n = check_int(n, "n", 1)
     return (n // 2, (n - 1) // 2) if bidirectional else (n - 1, 0)
 
 

@@ -23,13 +23,13 @@ any partial permutation. The caveats behind each rule are in :func:`xla_permute.
 
 from __future__ import annotations
 
-import operator
 import os
 import warnings
 from collections.abc import Mapping
 from typing import Any
 
 from xla_permute import pairs as _pairs
+from xla_permute.pairs import check_int
 
 __all__ = [
     "HardwareWarning",
@@ -76,18 +76,7 @@ def requires_complete_rings(device_type: str) -> bool:
 
 
 def _world_size(world_size: object) -> int:
-    if isinstance(world_size, bool):
-        raise TypeError(f"world_size must be an int >= 1 (the number of ranks), got {world_size!r}")
-    try:
-        n = operator.index(world_size)  # int, numpy integers
-    except TypeError:
-        raise TypeError(
-            f"world_size must be an int >= 1 (the number of ranks), got {world_size!r} of type "
-            f"{type(world_size).__name__}"
-        ) from None
-    if n < 1:
-        raise ValueError(f"world_size must be an int >= 1 (the number of ranks), got {n}")
-    return n
+    return check_int(world_size, "world_size", 1, fix="the number of ranks")
 
 
 _64_BIT = ("int64", "uint64", "float64", "complex128")

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from xla_permute.pairs import check_int
+
 __all__ = [
     "DumpReport",
     "TpuCollectiveMatmulSetup",
@@ -82,12 +84,11 @@ class TpuCollectiveMatmulSetup:
         >>> tpu_collective_matmul_setup().kwargs(3, [[0, 1]])
         {'pin_layout': False, 'use_global_device_ids': True, 'channel_id': 3, 'groups': [[0, 1]]}
         """
-        if isinstance(channel_id, bool) or not isinstance(channel_id, int) or channel_id < 1:
-            raise ValueError(
-                f"channel_id must be a positive int, the same on every rank and distinct per "
-                f"collective in a program (xla_permute.backends.channels.next_channel_id()); got "
-                f"{channel_id!r}"
-            )
+        fix = (
+            "the same on every rank and distinct per collective in a program "
+            "(xla_permute.backends.channels.next_channel_id())"
+        )
+        check_int(channel_id, "channel_id", 1, fix=fix)
         return {**self.collective_kwargs, "channel_id": channel_id, "groups": groups}
 
     def problems(self, environ: Mapping[str, str] | None = None) -> list[str]:

@@ -47,6 +47,7 @@ import cloudpickle
 
 from xla_permute.mesh import preload, rank_output
 from xla_permute.mesh import status as mesh_status
+from xla_permute.pairs import check_int
 
 #: torch_xla's switch for donating updated parameters' buffers (off on the mesh, see
 #: :func:`mesh_environment`).
@@ -182,10 +183,7 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
 
 
 def _check_n(n: object) -> None:
-    if isinstance(n, bool) or not isinstance(n, int):
-        raise TypeError(f"n must be an int number of devices, got {n!r}")
-    if n < 1:
-        raise ValueError(f"n must be >= 1 devices, got {n}; use n=4 for the default CPU mesh")
+    check_int(n, "n", 1, fix="the number of devices; n=4 is the default CPU mesh")
 
 
 def _check_timeout(timeout: object) -> float:

@@ -37,11 +37,11 @@ as its inputs arrived (a forward needs the previous stage's forward one tick ear
 
 from __future__ import annotations
 
-import contextlib
-import operator
 from dataclasses import dataclass
 from functools import cached_property
 from typing import Literal
+
+from xla_permute.pairs import check_int
 
 __all__ = [
     "Cell",
@@ -58,14 +58,8 @@ Placement = Literal["loop", "v"]
 
 
 def check_count(value: object, name: str, fix: str) -> int:
-    if not isinstance(value, (bool, int)):
-        with contextlib.suppress(TypeError):  # numpy / torch integer scalars
-            value = operator.index(value)  # type: ignore[arg-type]
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} must be an int, got {value!r} ({type(value).__name__})")
-    if value < 1:
-        raise ValueError(f"{name}={value} is below 1; {fix}")
-    return value
+    """A count of ranks, stages or micro-batches: an int >= 1 (``check_int``)."""
+    return check_int(value, name, 1, fix=fix)
 
 
 @dataclass(frozen=True, order=True)

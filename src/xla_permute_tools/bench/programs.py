@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from xla_permute import schedule as _schedule
+from xla_permute.pairs import check_int
 
 __all__ = [
     "MEMORY_PROGRAMS",
@@ -129,12 +130,10 @@ class BenchConfig:
     def __post_init__(self) -> None:
         for name in ("m", "k", "f", "n", "repeats", "compile_repeats"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"BenchConfig: {name} must be a positive int, got {value!r}")
+            check_int(value, f"BenchConfig: {name}", 1)
         for name in ("scaling_n", "warmup"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise ValueError(f"BenchConfig: {name} must be an int >= 0, got {value!r}")
+            check_int(value, f"BenchConfig: {name}", 0)
         if self.n < 2 or self.scaling_n == 1:
             raise ValueError(
                 f"BenchConfig: n (got {self.n}) and scaling_n (got {self.scaling_n}) need at "
