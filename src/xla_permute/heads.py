@@ -199,10 +199,8 @@ class ParallelAttention(nn.Module):
         )
 
     def _kv_weights(self) -> list[torch.Tensor | None]:
-        """k and v's weights and biases, their gradients summed over the copies' ranks."""
+        """The KV copies' weights and biases, their gradients summed over the copies' ranks."""
         tensors = [self.k_proj.weight, self.k_proj.bias, self.v_proj.weight, self.v_proj.bias]
-        if self.kv_groups is None:
-            return tensors
         comm = dict(groups=self.kv_groups, backend=self.o_proj.backend)
         return [None if t is None else sum_gradients(t, **comm) for t in tensors]
 
@@ -246,25 +244,11 @@ class ParallelAttention(nn.Module):
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """q, k, v for the whole sequence on one ring (weights of KV copies summed backward)."""
-        wk, bk, wv, bv = self._kv_weights()
         if self.kv_groups is None:
             return _column([self.q_proj, self.k_proj, self.v_proj], x)
-        # One ring for three weights of the layers' settings; the copies' own weights.
-        q = self.q_proj
-        ws = [q.weight.T, wk.T, wv.T]
-        from xla_permute.matmul import all_gather_matmul, all_gather_then_matmul
-
-        if not q.sequence_parallel:
-            q._method(x, 3)
-            xs = sum_gradients(x, groups=q.groups, backend=q.backend)
-            ys = [xs @ w for w in ws]
-        elif q._method(x, 3) == "ring":
-            kw = dict(dim=q.dim, groups=q.groups, backend=q.backend)
-            ys = list(all_gather_matmul(x, ws, bidirectional=q.bidirectional, **kw))
-        else:
-            ys = list(all_gather_then_matmul(x, ws, dim=q.dim, groups=q.groups, backend=q.backend))
-        biases = [q.bias, bk, bv]
-        return tuple(y if bias is None else y + bias for y, bias in zip(ys, biases, strict=True))
+        wk, bk, wv, bv = self._kv_weights()
+        params = [(self.q_proj.weight, self.q_proj.bias), (wk, bk), (wv, bv)]
+        return _column([self.q_proj], x, params)
 
     def extra_repr(self) -> str:
         kv = "" if self.kv_groups is None else f", kv copies summed over {self.kv_groups}"

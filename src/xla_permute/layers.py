@@ -294,20 +294,29 @@ class ColumnParallelLinear(_ParallelLinear):
         return y
 
 
-def _column(layers: Sequence[ColumnParallelLinear], x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """Column-parallel layers of one shape and setting on one input: one ring for all."""
+def _column(
+    layers: Sequence[ColumnParallelLinear],
+    x: torch.Tensor,
+    params: Sequence[tuple[torch.Tensor, torch.Tensor | None]] | None = None,
+) -> tuple[torch.Tensor, ...]:
+    """Column-parallel layers of one shape and setting on one input: one ring for all.
+
+    ``params``: the ``(weight, bias)`` of each output, ``nn.Linear`` layout (default: the
+    layers' own; the first layer's settings apply to all)."""
     first = layers[0]
-    ws = [layer.weight.T for layer in layers]
+    if params is None:
+        params = [(layer.weight, layer.bias) for layer in layers]
+    ws = [w.T for w, _ in params]
     kw = dict(dim=first.dim, groups=first.groups, backend=first.backend)
     if not first.sequence_parallel:  # replicated x: local matmuls; dx summed over ranks
-        first._method(x, len(layers))  # the checks of device, rank and shape
+        first._method(x, len(ws))  # the checks of device, rank and shape
         x = sum_gradients(x, groups=first.groups, backend=first.backend)
         ys = tuple(x @ w for w in ws)
-    elif first._method(x, len(layers)) == "ring":
+    elif first._method(x, len(ws)) == "ring":
         ys = all_gather_matmul(x, ws, bidirectional=first.bidirectional, **kw)
     else:
         ys = all_gather_then_matmul(x, ws, **kw)
-    return tuple(y if c.bias is None else y + c.bias for y, c in zip(ys, layers, strict=True))
+    return tuple(y if b is None else y + b for y, (_, b) in zip(ys, params, strict=True))
 
 
 class _SharedRing:

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any
 
 from torch import nn
@@ -241,22 +241,23 @@ def _gather_inputs(module: nn.Module, style: Any, name: str, rank: int, comm: di
 
 
 def _sum_gradients_on_use(module: nn.Module, comm: dict[str, Any]) -> None:
-    """Make every forward of ``module`` use its parameters through :func:`sum_gradients`:
-    identity forward, the gradient summed over the group backward."""
-    owners = [(m, n) for m in module.modules() for n, p in m._parameters.items() if p is not None]
-    forward: Callable[..., Any] = module.forward
+    """Make every forward of ``module`` use its parameters through :func:`sum_gradients`
+    (identity forward, the gradient summed over the group backward): a pre-hook puts the
+    summed views in place of the parameters, a hook that runs even when the forward raises
+    puts them back. Hooks take the module as an argument, so a copy of the model keeps them."""
 
-    def summed_forward(*args: Any, **kwargs: Any) -> Any:
-        saved = [(m, n, m._parameters[n]) for m, n in owners]
-        try:
-            for m, n, p in saved:
-                m._parameters[n] = sum_gradients(p, **comm)  # type: ignore[assignment]
-            return forward(*args, **kwargs)
-        finally:
-            for m, n, p in saved:
-                m._parameters[n] = p
+    def substitute(m: nn.Module, args: tuple[Any, ...]) -> None:
+        saved = [(o, n, p) for o in m.modules() for n, p in o._parameters.items() if p is not None]
+        m.__dict__.setdefault("_summed_parameters", []).append(saved)
+        for o, n, p in saved:
+            o._parameters[n] = sum_gradients(p, **comm)  # type: ignore[assignment]
 
-    module.forward = summed_forward  # type: ignore[method-assign]
+    def restore(m: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        for o, n, p in m.__dict__["_summed_parameters"].pop():
+            o._parameters[n] = p
+
+    module.register_forward_pre_hook(substitute)
+    module.register_forward_hook(restore, always_call=True)
 
 
 def parallelize_module(
