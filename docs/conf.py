@@ -106,9 +106,9 @@ autodoc_inherit_docstrings = False  # torch/matplotlib docstrings use roles we d
 # No intersphinx (CI has no network): references to other projects' types stay plain text.
 nitpick_ignore_regex = [
     ("py:.*", r"(torch|torch_xla|pathlib|collections|typing|argparse|subprocess|fractions|os)\b.*"),
-    ("py:.*", r"(nbclient|numpy|matplotlib|cloudpickle)\b.*"),
+    ("py:.*", r"(nn|nbclient|numpy|matplotlib|cloudpickle)\b.*"),
     ("py:.*", r"(Path|Tensor|Callable|Sequence|Any|NotebookNode|Module|Figure|Self)"),
-    ("py:.*", r"(Groups|Pairs|PairsLike|Pair|Backend|Tick|MatmulOp|Layout|Strategy)"),
+    ("py:.*", r"(Groups|Pairs|PairsLike|Pair|Backend|Tick|MatmulOp|Layout|Strategy|PositionFn)"),
 ]
 
 

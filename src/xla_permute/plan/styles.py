@@ -6,19 +6,19 @@ does, with PyTorch's own style objects (``ColwiseParallel``, ``RowwiseParallel``
 Each style becomes this package's layer, holding local tensors (no DTensor); what each layout
 pair becomes:
 
-================================  ==========================================  ==================
-style (on)                        layouts (input -> output)                   becomes
-================================  ==========================================  ==================
-``ColwiseParallel`` (Linear)      ``Shard(d) -> Shard(-1)``                   all-gather-matmul
-``ColwiseParallel`` (Linear)      ``Replicate() -> Shard(-1)``                local matmul
-``ColwiseParallel`` (Linear)      ``... -> Replicate()``                      then an all-gather
-``RowwiseParallel`` (Linear)      ``Shard(-1) -> Shard(d)``                   matmul-reduce-scatter
-``RowwiseParallel`` (Linear)      ``Shard(-1) -> Replicate()``                matmul, all-reduce
-``RowwiseParallel`` (Embedding)   ``Replicate() -> Shard(d)`` / ``Replicate()``  vocab-parallel
-``SequenceParallel`` (any)        ``Shard(d) -> Shard(d)``                    gradients summed
-``PrepareModuleInput`` (any)      ``Shard(d) -> Replicate()`` per input       an all-gather
-:class:`HeadwiseParallel`         ``Shard(d)`` or ``Replicate()``             ParallelAttention
-================================  ==========================================  ==================
+* ``ColwiseParallel`` on a Linear: input ``Shard(d)`` -> an all-gather-matmul; input
+  ``Replicate()`` -> a local matmul; output ``Shard(-1)`` (this rank's features) or
+  ``Replicate()`` (then an all-gather);
+* ``RowwiseParallel`` on a Linear: input ``Shard(-1)``; output ``Shard(d)`` -> a
+  matmul-reduce-scatter, ``Replicate()`` -> a matmul and an all-reduce;
+* ``RowwiseParallel`` on an Embedding: input ``Replicate()`` (the tokens); output
+  ``Shard(d)`` or ``Replicate()``: a vocabulary-parallel embedding;
+* ``SequenceParallel`` on any module: it runs on sequence shards, its weights whole, their
+  gradients summed over the group;
+* ``PrepareModuleInput`` on any module: ``Shard(d) -> Replicate()`` per positional input, an
+  all-gather;
+* :class:`HeadwiseParallel` on an attention: input ``Shard(1)`` or ``Replicate()`` -> a
+  :class:`~xla_permute.heads.ParallelAttention`.
 
 ``use_local_output`` is accepted and has no effect: every output is a local tensor.
 """
@@ -33,9 +33,9 @@ from torch import nn
 
 from xla_permute.heads import PositionFn
 
-__all__ = ["HeadwiseParallel", "Layout", "layout_of"]
+__all__ = ["HeadwiseParallel", "layout_of", "one_layout"]
 
-#: A layout as this package reads one: ``("shard", d)`` or ``("replicate", None)``.
+# A layout as this package reads one: ("shard", d) or ("replicate", None).
 Layout = tuple[str, int | None]
 
 
