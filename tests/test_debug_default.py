@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from xla_permute import debug, run_on_mesh
-from xla_permute.layers import ColumnParallelLinear, RowParallelLinear
 from xla_permute.mesh.launch import mesh_environment
-from xla_permute.mlp import GatedMLP, SequenceParallelMLP
+from xla_permute.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from xla_permute.tensor_parallel.mlp import GatedMLP, SequenceParallelMLP
 
 N = 4
 

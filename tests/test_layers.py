@@ -14,7 +14,7 @@ from ranks_matmul import mlp_train_step
 from torch import nn
 
 from xla_permute import run_on_mesh
-from xla_permute.layers import ColumnParallelLinear, RowParallelLinear
+from xla_permute.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 H, F, B, S, N = 8, 16, 2, 8, 4
 LR = 2.0**-10

@@ -9,7 +9,7 @@ from torch import nn
 
 import xla_permute as xp
 from xla_permute import reference
-from xla_permute.mlp import GatedMLP, relu_product, swiglu
+from xla_permute.tensor_parallel.mlp import GatedMLP, relu_product, swiglu
 
 N = 4
 

@@ -330,7 +330,7 @@ def test_the_vocab_parallel_loss_refuses_mismatched_targets():
 
 
 def test_a_shared_ring_called_with_two_inputs_warns_and_stops_sharing(monkeypatch):
-    import xla_permute.layers as layers
+    import xla_permute.tensor_parallel.layers as layers
 
     calls = []
 

@@ -15,7 +15,7 @@ from xla_permute import cost
 from xla_permute.cost import choose_strategy
 from xla_permute.hardware import HardwareWarning, tpu_collective_matmul_setup
 from xla_permute.hardware.tpu import recipe_problems, warn_recipe_incomplete
-from xla_permute.layers import STRATEGIES
+from xla_permute.tensor_parallel.layers import STRATEGIES
 
 TOKENS = [32 * 2**i for i in range(10)]  # 32 .. 16384
 

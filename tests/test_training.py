@@ -43,8 +43,8 @@ B, S, STEPS = 2, 16, 3
 #   ``[B, S, F/N]``;
 # * ``row``: ``act(RowParallelLinear(F -> H))``, x sharded along its features, output
 #   ``[B, S/N, H]``;
-# * ``mlp``: :class:`~xla_permute.mlp.SequenceParallelMLP` ``(H -> F -> H)``;
-# * ``gated``: :class:`~xla_permute.mlp.GatedMLP`;
+# * ``mlp``: :class:`~xla_permute.tensor_parallel.mlp.SequenceParallelMLP` ``(H -> F -> H)``;
+# * ``gated``: :class:`~xla_permute.tensor_parallel.mlp.GatedMLP`;
 # * ``block2d``: tutorial 10's transformer block on a ``Mesh2D(tp=2, cp=N/2)``: TP gated MLP
 #   and attention heads, sequence parallel, causal zigzag ring attention over the CP groups;
 #   gradients of replicated weights summed with

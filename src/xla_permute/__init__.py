@@ -27,12 +27,6 @@ from xla_permute.collectives import (
 )
 from xla_permute.debug import DisagreementError, debug_mode
 
-# Tensor-parallel attention: heads over ranks, grouped-query attention included
-from xla_permute.heads import ParallelAttention
-
-# The tensor-parallel layers on collective matmul
-from xla_permute.layers import ColumnParallelLinear, RowParallelLinear, share_ring
-
 # Collective matmul and its baselines
 from xla_permute.matmul import (
     all_gather_matmul,
@@ -46,9 +40,6 @@ from xla_permute.mesh.launch import MeshError, RankError, run_on_mesh
 
 # A TP x CP grid of ranks: its groups and its two-level token sharding
 from xla_permute.mesh2d import Mesh2D
-
-# MLP blocks on the tensor-parallel layers
-from xla_permute.mlp import GatedMLP, SequenceParallelMLP, relu_product, swiglu
 
 # Pairs of a CollectivePermute (pure Python)
 from xla_permute.pairs import (
@@ -76,9 +67,6 @@ from xla_permute.pipeline.schedule import Overlap, PipelineSchedule, Work
 # Pipeline stages without send/recv
 from xla_permute.pipeline.shift import shift_pairs, stage_shift
 
-# A model made tensor-parallel by a plan (PyTorch's parallelize_module, on these layers)
-from xla_permute.plan import HeadwiseParallel, parallelize_module
-
 # Ring schedules of collective matmul and ring attention, as data
 from xla_permute.schedule import (
     AttentionBlock,
@@ -94,8 +82,21 @@ from xla_permute.schedule import (
 # Split a sequence over ranks and put it back (host, pure torch)
 from xla_permute.sequence import shard_sequence, unshard_sequence
 
+# Tensor-parallel attention: heads over ranks, grouped-query attention included
+from xla_permute.tensor_parallel.heads import ParallelAttention
+
+# The tensor-parallel layers on collective matmul
+from xla_permute.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, share_ring
+
+# MLP blocks on the tensor-parallel layers
+from xla_permute.tensor_parallel.mlp import GatedMLP, SequenceParallelMLP, relu_product, swiglu
+
+# A model made tensor-parallel by a plan (PyTorch's parallelize_module, on these layers)
+from xla_permute.tensor_parallel.parallelize import parallelize_module
+from xla_permute.tensor_parallel.styles import HeadwiseParallel
+
 # Vocabulary parallelism: embedding and cross-entropy over vocabulary shards
-from xla_permute.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
+from xla_permute.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
 #: Submodules reached as attributes (imported on first use): ``xp.hardware.caveats()``, ...
 _SUBMODULES = ("reference", "hardware", "hlo", "cost", "figures")

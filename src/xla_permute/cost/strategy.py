@@ -1,8 +1,9 @@
 """The layers' strategy policy: ring or baseline, by the cost model, for the detected chip.
 
 :func:`choose_strategy` is what ``strategy="auto"`` of the tensor-parallel layers
-(:mod:`xla_permute.layers`) asks; :func:`detected_chip` names this rank's accelerator as a key
-of ``CHIPS`` (TPU generations only; None elsewhere, where the layers keep the ring).
+(:mod:`xla_permute.tensor_parallel.layers`) asks; :func:`detected_chip` names this rank's
+accelerator as a key of ``CHIPS`` (TPU generations only; None elsewhere, where the layers keep
+the ring).
 """
 
 from __future__ import annotations

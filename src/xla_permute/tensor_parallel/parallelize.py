@@ -2,15 +2,15 @@
 
 The DTensor-style call of PyTorch (``torch.distributed.tensor.parallel.parallelize_module``)
 for this package's layers: the plan maps module names (``*`` matches one name of the path, as
-in ``"model.layers.*.mlp.up_proj"``) to styles (:mod:`xla_permute.plan.styles`); each style
-swaps the module in place for this rank's shard of it, its weights cut from the original, so
-that the model's own ``forward`` runs unchanged on every rank:
+in ``"model.layers.*.mlp.up_proj"``) to styles (:mod:`xla_permute.tensor_parallel.styles`);
+each style swaps the module in place for this rank's shard of it, its weights cut from the
+original, so that the model's own ``forward`` runs unchanged on every rank:
 
 * a ``Linear`` becomes a :class:`~xla_permute.ColumnParallelLinear` or
   :class:`~xla_permute.RowParallelLinear` (collective matmul where the layouts ask for a
   gather or a scatter, ``strategy``: ``"ring"``, ``"baseline"``, ``"auto"``, ``"xla"``);
   column-parallel siblings fed the same sequence-sharded input (q/k/v, gate/up) share one ring
-  (``share_rings``; :func:`~xla_permute.layers.share_ring`);
+  (``share_rings``; :func:`~xla_permute.tensor_parallel.layers.share_ring`);
 * an ``Embedding`` under ``RowwiseParallel`` becomes a
   :class:`~xla_permute.VocabParallelEmbedding`;
 * an attention under :class:`~xla_permute.HeadwiseParallel` becomes a
@@ -37,13 +37,18 @@ from typing import Any
 from torch import nn
 
 from xla_permute.collectives import sum_gradients
-from xla_permute.heads import ParallelAttention
-from xla_permute.layers import ColumnParallelLinear, RowParallelLinear, _world, share_ring
 from xla_permute.pairs import GroupsLike as Groups
-from xla_permute.plan.styles import HeadwiseParallel, Layout, layout_of, one_layout
-from xla_permute.regions import gather_replicated
 from xla_permute.sequence import check_layout
-from xla_permute.vocab import VocabParallelEmbedding
+from xla_permute.tensor_parallel.heads import ParallelAttention
+from xla_permute.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    _world,
+    share_ring,
+)
+from xla_permute.tensor_parallel.regions import gather_replicated
+from xla_permute.tensor_parallel.styles import HeadwiseParallel, Layout, layout_of, one_layout
+from xla_permute.tensor_parallel.vocab import VocabParallelEmbedding
 
 __all__ = ["parallelize_module"]
 
@@ -281,14 +286,15 @@ def parallelize_module(
             layer goes where its original was).
         groups: the tensor-parallel groups (where PyTorch takes a DeviceMesh); None: all ranks.
         plan: ``{module name or pattern: style}``.
-        strategy, bidirectional: of every collective matmul (:mod:`xla_permute.layers`).
+        strategy, bidirectional: of every collective matmul
+            (:mod:`xla_permute.tensor_parallel.layers`).
         share_rings: column-parallel siblings with sequence-sharded inputs share one ring
             (a ring whose members turn out to read different inputs stops sharing, with a
             warning, and its results stay right).
         context_groups, layout: context parallelism (module docstring of
-            :mod:`xla_permute.heads`): the groups that split the sequence (``Mesh2D``'s
-            ``cp_groups``; ``groups`` then its ``tp_groups``) and the layout of each rank's
-            context shard; every parameter's gradient is then also summed over its context
+            :mod:`xla_permute.tensor_parallel.heads`): the groups that split the sequence
+            (``Mesh2D``'s ``cp_groups``; ``groups`` then its ``tp_groups``) and the layout of each
+            rank's context shard; every parameter's gradient is then also summed over its context
             group (each holds other tokens). The attentions run ring attention over it.
         backend, world_size, rank: as the layers' (None: asked from the running mesh or
             process group).

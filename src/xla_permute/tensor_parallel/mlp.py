@@ -4,7 +4,7 @@
 * :class:`GatedMLP`: ``down(activation(gate(x), up(x)))`` with gate and up sharing one
   all-gather ring (x travels once): SwiGLU (:func:`swiglu`) or the PoC's :func:`relu_product`.
 
-The layers, their ``strategy`` and their backward are in :mod:`xla_permute.layers`.
+The layers, their ``strategy`` and their backward are in :mod:`xla_permute.tensor_parallel.layers`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,12 @@ from typing import Any
 import torch
 from torch import nn
 
-from xla_permute.layers import ColumnParallelLinear, RowParallelLinear, _column, _ParallelLinear
+from xla_permute.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    _column,
+    _ParallelLinear,
+)
 
 __all__ = ["GatedMLP", "SequenceParallelMLP", "relu_product", "swiglu"]
 

@@ -44,10 +44,15 @@ from torch import nn
 from xla_permute.attention import ring_attention
 from xla_permute.backends.select import ring_of
 from xla_permute.collectives import sum_gradients
-from xla_permute.layers import ColumnParallelLinear, RowParallelLinear, _column, _world
 from xla_permute.pairs import GroupsLike as Groups
 from xla_permute.pairs import check_int
 from xla_permute.sequence import check_layout, layout_positions
+from xla_permute.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    _column,
+    _world,
+)
 
 __all__ = ["ParallelAttention", "kv_head_groups"]
 

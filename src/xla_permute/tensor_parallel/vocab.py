@@ -23,11 +23,11 @@ from torch import nn
 
 from xla_permute.backends.select import check_tensor, ring_of
 from xla_permute.collectives import all_gather, all_reduce, reduce_scatter
-from xla_permute.layers import _world
 from xla_permute.pairs import GroupsLike as Groups
 from xla_permute.pairs import check_dim, check_int
 from xla_permute.reference import accumulation_dtype
-from xla_permute.regions import reduce_replicated
+from xla_permute.tensor_parallel.layers import _world
+from xla_permute.tensor_parallel.regions import reduce_replicated
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
 

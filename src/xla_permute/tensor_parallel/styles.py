@@ -18,7 +18,7 @@ pair becomes:
 * ``PrepareModuleInput`` on any module: ``Shard(d) -> Replicate()`` per positional input, an
   all-gather;
 * :class:`HeadwiseParallel` on an attention: input ``Shard(1)`` or ``Replicate()`` -> a
-  :class:`~xla_permute.heads.ParallelAttention`.
+  :class:`~xla_permute.tensor_parallel.heads.ParallelAttention`.
 
 ``use_local_output`` is accepted and has no effect: every output is a local tensor.
 """
@@ -31,7 +31,7 @@ from typing import Any
 
 from torch import nn
 
-from xla_permute.heads import PositionFn
+from xla_permute.tensor_parallel.heads import PositionFn
 
 __all__ = ["HeadwiseParallel", "layout_of", "one_layout"]
 
@@ -66,7 +66,7 @@ def one_layout(placements: Sequence[object] | object, what: str) -> Layout:
 @dataclass(frozen=True)
 class HeadwiseParallel:
     """Attention with its heads split over ranks: the module becomes a
-    :class:`~xla_permute.heads.ParallelAttention` (one ring for q/k/v, one for o).
+    :class:`~xla_permute.tensor_parallel.heads.ParallelAttention` (one ring for q/k/v, one for o).
 
     Args:
         input_layouts: ``Shard(1)`` (sequence parallel, the default) or ``Replicate()``;

@@ -16,8 +16,8 @@ Per-rank shapes, N ranks, sequence dimension ``dim`` (default 1 of ``[batch, seq
   the full weight and the full bias ``b`` (added once per output row; its gradient is
   summed over ranks, see :func:`~xla_permute.collectives.sum_gradients`).
 
-The MLP blocks built on them (:class:`~xla_permute.mlp.SequenceParallelMLP`,
-:class:`~xla_permute.mlp.GatedMLP`) are in :mod:`xla_permute.mlp`.
+The MLP blocks built on them (:class:`~xla_permute.tensor_parallel.mlp.SequenceParallelMLP`,
+:class:`~xla_permute.tensor_parallel.mlp.GatedMLP`) are in :mod:`xla_permute.tensor_parallel.mlp`.
 
 ``strategy`` (every layer): ``"ring"`` (collective matmul, the default), ``"baseline"``
 (blocking upstream collective, then matmul), ``"xla"`` or ``"auto"`` (the faster of ring and
@@ -37,9 +37,10 @@ missing; on other devices ``"xla"`` is the baseline with the reduce-scatter in t
 around the pair are replicated, whole on every rank. A column-parallel layer then takes
 ``x [..., S, K]`` as it is (``y = x @ W_r.T + b_r``, no collective forward; backward sums
 ``dx`` over ranks, :func:`~xla_permute.collectives.sum_gradients`) and a row-parallel one ends
-with a sum, ``y = AllReduce(x @ W_r.T) + b`` (:func:`~xla_permute.regions.reduce_replicated`).
+with a sum, ``y = AllReduce(x @ W_r.T) + b``
+(:func:`~xla_permute.tensor_parallel.regions.reduce_replicated`).
 ``gather_output=True`` (column-parallel): the output's features gathered, ``[..., F]`` on every
-rank (:func:`~xla_permute.regions.gather_replicated`).
+rank (:func:`~xla_permute.tensor_parallel.regions.gather_replicated`).
 
 Column-parallel layers that read the same input (q/k/v, gate/up) share one ring when
 :func:`share_ring` links them: the first one called computes every member's output in one
@@ -69,7 +70,7 @@ from xla_permute.matmul import (
 )
 from xla_permute.pairs import GroupsLike as Groups
 from xla_permute.pairs import check_int
-from xla_permute.regions import gather_replicated, reduce_replicated
+from xla_permute.tensor_parallel.regions import gather_replicated, reduce_replicated
 
 __all__ = [
     "STRATEGIES",
