@@ -339,7 +339,7 @@ CAVEATS: tuple[Caveat, ...] = (
         ),
         evidence=(
             "a plain torch_xla reproducer runs on every build in "
-            "tutorials/04_hardware_caveats.md (aborts with aliasing on, passes with it off); "
+            "tutorials/13_when_the_mesh_fails.md (aborts with aliasing on, passes with it off); "
             "tests/test_training_probes.py runs 132 collective + in-place update + sync probes "
             "in one launch"
         ),

@@ -94,10 +94,11 @@ def guard_syncs() -> None:
     default-constructed device: ``CPU:0``, rank 0's device on the mesh. While rank 0 executes a
     collective (its lock held until the collective ends), a rank whose sync is empty (it
     dropped its results, or every call since its last sync was refused) blocks there instead
-    of reaching the collective, and XLA:CPU aborts the process after 15 s (tutorial 04 has the
-    reproducer, in torch_xla alone). With one pending scalar on the rank's device the sync locks
-    that device only. The scalar is one more output of each step's program, the same on every
-    rank. The sync also records this rank's time in it (:mod:`xla_permute.mesh.status`).
+    of reaching the collective, and XLA:CPU aborts the process after 15 s
+    (tests/test_mesh_programs.py has the reproducer, in torch_xla alone). With one pending
+    scalar on the rank's device the sync locks that device only. The scalar is one more
+    output of each step's program, the same on every rank. The sync also records this rank's
+    time in it (:mod:`xla_permute.mesh.status`).
     """
     import torch
     import torch_xla

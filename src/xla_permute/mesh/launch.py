@@ -72,7 +72,7 @@ _MISMATCH_HINT = (
     "waits for all devices and aborts the CPU mesh; wait for this rank's device only: "
     "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()])). With "
     "XLA_ENABLE_PARAM_ALIASING=1 (run_on_mesh sets 0 unless asked) a training loop can "
-    "deadlock the device threads (caveat param-aliasing-deadlock, tutorial 04): leave it "
+    "deadlock the device threads (caveat param-aliasing-deadlock, tutorial 13): leave it "
     "unset or set XLA_ENABLE_PARAM_ALIASING=0."
 )
 
