@@ -23,7 +23,13 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 from matplotlib.text import Text
 
 from xla_permute.pairs import PairsLike, check_groups, global_pairs
-from xla_permute_tools.tables import RankTable, describe, rank_table  # noqa: F401  (xp.figures.rank_table)
+from xla_permute_tools.tables import (  # noqa: F401  (xp.figures.rank_table, xp.figures.table)
+    RankTable,
+    Table,
+    describe,
+    rank_table,
+    table,
+)
 
 __all__ = [
     "new_figure",

@@ -1,9 +1,10 @@
 """Per-rank results as tables: one row per rank, the way notebooks show where the data is.
 
 :func:`rank_table` turns what each rank returned (tensors, labels) into a
-:class:`RankTable`, which a notebook shows as an HTML table and ``print`` as aligned text.
-Reached as ``xp.figures.rank_table``. No torch or matplotlib import: tensors are recognised
-by their ``shape`` and ``tolist``.
+:class:`RankTable`, which a notebook shows as an HTML table and ``print`` as aligned text;
+:func:`table` makes any other table of rows (chips, schedules, programs), which a notebook
+shows as a Markdown table. Reached as ``xp.figures.rank_table`` and ``xp.figures.table``.
+No torch or matplotlib import: tensors are recognised by their ``shape`` and ``tolist``.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["RankTable", "describe", "rank_table"]
+__all__ = ["RankTable", "Table", "describe", "rank_table", "table"]
 
 
 class RankTable:
@@ -101,3 +102,53 @@ def rank_table(
             )
         rows.append([str(r), *(describe(v) for v in cells)])
     return RankTable(["rank", *(columns or [])], rows, title)
+
+
+class Table:
+    """Rows of cells under named columns: Markdown in a notebook, aligned text in ``print``.
+
+    Made by :func:`table`; ``align`` holds ``"<"`` (left) or ``">"`` (right) per column.
+    """
+
+    def __init__(self, columns: Sequence[str], rows: Sequence[Sequence[str]], align: str):
+        self.columns, self.rows, self.align = list(columns), [list(r) for r in rows], align
+
+    def _repr_markdown_(self) -> str:
+        rule = ["--:" if a == ">" else "---" for a in self.align]
+        lines = [self.columns, rule, *self.rows]
+        return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
+
+    def __str__(self) -> str:
+        table = [self.columns, *self.rows]
+        widths = [max(len(row[i]) for row in table) for i in range(len(self.columns))]
+        return "\n".join(
+            "  ".join(
+                v.rjust(w) if a == ">" else v.ljust(w)
+                for v, w, a in zip(row, widths, self.align, strict=True)
+            ).rstrip()
+            for row in table
+        )
+
+    __repr__ = __str__
+
+
+def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], align: str = "") -> Table:
+    """A table of ``rows`` (each a sequence of cells, shown with ``str()``) under ``columns``.
+
+    ``align``: one ``"<"`` or ``">"`` per column (default: every column left-aligned).
+
+    >>> print(table(["chip", "N"], [["v5e", 4], ["v5p", 8]], align="<>"))
+    chip  N
+    v5e   4
+    v5p   8
+    """
+    align = align or "<" * len(columns)
+    if len(align) != len(columns) or set(align) - {"<", ">"}:
+        raise ValueError(f"table: align needs one '<' or '>' per column, got {align!r}")
+    cells = [[str(v) for v in row] for row in rows]
+    for i, row in enumerate(cells):
+        if len(row) != len(columns):
+            raise ValueError(
+                f"table: row {i} has {len(row)} cells for {len(columns)} columns {list(columns)}"
+            )
+    return Table(columns, cells, align)
