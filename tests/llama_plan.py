@@ -13,10 +13,18 @@ import torch
 from torch import nn
 
 
-def config(layers: int = 2, hidden: int = 64, heads: int = 4, kv_heads: int = 2, vocab: int = 128):
+def config(
+    layers: int = 2,
+    hidden: int = 64,
+    heads: int = 4,
+    kv_heads: int = 2,
+    vocab: int = 128,
+    **options,
+):
     from transformers import LlamaConfig
 
     return LlamaConfig(
+        **options,
         vocab_size=vocab,
         hidden_size=hidden,
         intermediate_size=2 * hidden,

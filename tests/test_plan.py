@@ -307,6 +307,14 @@ def test_sizes_the_group_does_not_divide_are_refused():
     )
 
 
+def test_attention_dropout_is_refused():
+    _refused(
+        {"model.layers.*.self_attn": xp.HeadwiseParallel()},
+        "attention dropout 0.1",
+        {"kv_heads": 2, "attention_dropout": 0.1},
+    )
+
+
 def test_a_sequence_parallel_plan_must_cover_every_parameter():
     plan = {k: v for k, v in lp.plan(_host()[0]).items() if k != "model.norm"}
     _refused(plan, "model.norm.weight.*SequenceParallel")

@@ -179,6 +179,12 @@ def _build(
         return None, None
     if isinstance(style, HeadwiseParallel):
         layout = style.layout()
+        dropout = getattr(module, "attention_dropout", 0.0) or getattr(module, "dropout", 0.0)
+        if isinstance(dropout, float) and dropout > 0:
+            raise ValueError(
+                f"{name}: attention dropout {dropout} is not supported by ParallelAttention; "
+                f"build the model with attention_dropout=0.0"
+            )
         proj = style.projections(module, name)
         heads, kv_heads, head_dim = style.head_counts(module, name)
         sp = {"sequence_parallel": layout[0] == "shard", "dim": layout[1] or 1}
