@@ -65,7 +65,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, scale: float, causal: bool) -> tor
     G folds into the rows (one batched dot, K not repeated); causal: ``-inf`` above the diagonal.
     """
     b, h, g, m, d = q.shape
-    s = (q.reshape(b, h, g * m, d) @ k.transpose(-1, -2)).view(b, h, g, m, -1) * scale
+    s = (q.reshape(b, h, g * m, d) @ k.transpose(-1, -2)).view(b, h, g, m, -1)
+    if scale != 1.0:  # 1.0: the scale is in q already
+        s = s * scale
     if causal:
         above = torch.ones(m, m, dtype=torch.bool, device=s.device).triu(1)
         s = s.masked_fill(above, float("-inf"))
@@ -124,38 +126,41 @@ def _keep(plan: _Plan, tensors: list[torch.Tensor]) -> None:
 def _ring_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [B, Hkv, G, S/N, D]`` (acc dtype), ``k, v [B, Hkv, S/N, D]`` -> out, lse (acc)."""
+    """``q [B, Hkv, G, S/N, D]`` (acc dtype), ``k, v [B, Hkv, S/N, D]`` -> out, lse (acc).
+
+    Online softmax, as flash attention keeps it: per query row the running maximum ``m``, the
+    sum ``l`` of ``exp(s - m)`` and the unnormalised output ``o``; one ``exp`` of each block's
+    scores, the division and the log once at the end (``out = o / l``, ``lse = m + log l``).
+    """
     own = plan.chunks(plan.rank)
     size = q.shape[3] // len(own)
-    outs: list[Any] = [None] * len(own)
-    lses: list[Any] = [None] * len(own)
+    acc: list[Any] = [None] * len(own)  # per own chunk: (o, m, l)
     kv = torch.stack([k, v])  # K and V travel together: one permute per hop
+    q = q * plan.scale  # once, not on every block's scores
     for hop in plan.schedule:
         received = plan.send(kv) if hop.hop < plan.n - 1 else None  # started before the blocks
         theirs = plan.chunks(hop.source)
         for block in hop.blocks:
             qs, ks = _span(block.q_chunks, own, size), _span(block.k_chunks, theirs, size)
-            s = _scores(q[:, :, :, qs], kv[0, :, :, ks].to(plan.acc), plan.scale, block.causal)
-            lse_b = torch.logsumexp(s, dim=-1)
-            o_b = _rows(torch.exp(s - lse_b[..., None]), kv[1, :, :, ks].to(plan.acc))
+            s = _scores(q[:, :, :, qs], kv[0, :, :, ks].to(plan.acc), 1.0, block.causal)
+            m_b = s.amax(dim=-1)  # finite: every row keeps at least its diagonal key
+            p = s.sub_(m_b[..., None]).exp_()  # in place: s is this block's own
+            o_b, l_b = _rows(p, kv[1, :, :, ks].to(plan.acc)), p.sum(dim=-1)
             first = own.index(block.q_chunks[0])
-            for j, (o_j, l_j) in enumerate(
-                zip(o_b.split(size, 3), lse_b.split(size, 3), strict=True)
-            ):
+            pieces = zip(o_b.split(size, 3), m_b.split(size, 3), l_b.split(size, 3), strict=True)
+            for j, (o_j, m_j, l_j) in enumerate(pieces):
                 i = first + j
-                if outs[i] is None:
-                    outs[i], lses[i] = o_j, l_j
+                if acc[i] is None:
+                    acc[i] = (o_j, m_j, l_j)
                     continue
-                top = torch.maximum(lses[i], l_j)  # logaddexp, without a CPU fallback
-                new = top + torch.log(torch.exp(lses[i] - top) + torch.exp(l_j - top))
-                outs[i] = (
-                    outs[i] * torch.exp(lses[i] - new)[..., None]
-                    + o_j * torch.exp(l_j - new)[..., None]
-                )
-                lses[i] = new
+                o_i, m_i, l_i = acc[i]
+                top = torch.maximum(m_i, m_j)
+                a, b = torch.exp(m_i - top), torch.exp(m_j - top)
+                acc[i] = (o_i * a[..., None] + o_j * b[..., None], top, l_i * a + l_j * b)
         if received is not None:
             kv = received.wait()
-    out, lse = torch.cat(outs, 3), torch.cat(lses, 3)
+    out = torch.cat([o / total[..., None] for o, _, total in acc], 3)
+    lse = torch.cat([m + torch.log(total) for _, m, total in acc], 3)
     _keep(plan, [out, lse, kv])
     return out, lse
 
