@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import copy
 import os
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,9 +28,11 @@ __all__ = [
     "CodeCell",
     "CellRunner",
     "cache_executed",
+    "FAILURE_WORDS",
     "code_cells",
     "excluded_cells",
     "read_notebook",
+    "shown_problems",
 ]
 
 #: The jupyter-cache shared by the test run (writes) and the docs build (reads).
@@ -37,6 +40,34 @@ EXECUTED_CACHE = Path(__file__).resolve().parents[1] / "docs" / "_build" / ".jup
 
 #: Cell tags and metadata with which myst-nb or nbclient would not run a cell (or accept its error).
 EXCLUDING_TAGS = frozenset({"skip-execution", "raises-exception", "remove-cell-execution"})
+
+#: Words of which a cell tagged ``demonstrates-failure`` must show one: the failure happened.
+#: The site check (tests/check_site.py) looks for the same words on the built page.
+FAILURE_WORDS = r"(error|exception|abort|refuse|raise|fail|timed? ?out|SIGABRT)"
+
+
+def shown_problems(cell: Any) -> list[str]:
+    """What the built page would show wrongly of this executed cell (as tests/check_site.py).
+
+    Stderr output that no ``remove-stderr``/``remove-output`` tag hides (a raw log or a warning
+    on the page), and a ``demonstrates-failure`` cell whose output shows no error.
+    """
+    tags = set(cell.get("metadata", {}).get("tags", []))
+    problems = []
+    if not tags & {"remove-stderr", "remove-output"}:
+        for out in cell.get("outputs", []):
+            if out.get("output_type") == "stream" and out.get("name") == "stderr":
+                first = "".join(out.get("text", "")).strip().splitlines()[:1]
+                problems.append(f"stderr output on the page: {first[0][:100] if first else ''}")
+    if "demonstrates-failure" in tags:
+        shown = []
+        for out in cell.get("outputs", []):
+            shown.append("".join(out.get("text", "")))
+            shown.append("".join(out.get("data", {}).get("text/plain", "")))
+            shown.extend([out.get("ename", ""), out.get("evalue", "")])
+        if not re.search(FAILURE_WORDS, "\n".join(shown), re.IGNORECASE):
+            problems.append("a demonstrates-failure cell shows no error in its output")
+    return problems
 
 
 @dataclass(frozen=True)
@@ -138,6 +169,9 @@ class CellRunner:
             self.client.start_new_kernel_client()
             self._connected = True
         self.client.execute_cell(self.nb.cells[index], index)
+        problems = shown_problems(self.nb.cells[index])
+        if problems:
+            raise AssertionError(f"{self.path.name}, cell {index}: " + "; ".join(problems))
         self.seconds += time.perf_counter() - t0
         self.ran.append(index)
 

@@ -4,7 +4,7 @@ import re
 from pathlib import Path
 
 import pytest
-from notebook_cells import CellRunner, code_cells, excluded_cells
+from notebook_cells import CellRunner, code_cells, excluded_cells, shown_problems
 
 ROOT = Path(__file__).resolve().parents[1]
 TUTORIALS = sorted((ROOT / "tutorials").glob("*.md"))
@@ -77,6 +77,36 @@ def test_failing_cell_raises_and_names_itself(tmp_path):
             runner.run(cells[1].index)
     finally:
         runner.close()
+
+
+def test_a_cell_that_would_show_badly_fails_as_a_test(tmp_path):
+    """Stderr on the page and a failure demonstration that did not fail fail in `make test`,
+    not only later in the site check; a tag that hides stderr and a shown error pass."""
+    nb = tmp_path / "shown.md"
+    fence = "```{code-cell} ipython3\n"
+    nb.write_text(
+        "---\nkernelspec:\n  name: python3\n  display_name: Python 3\n---\n# t\n\n"
+        + fence
+        + "import sys; print('a warning', file=sys.stderr)\n```\n\n"
+        + fence
+        + ":tags: [remove-stderr]\n\nimport sys; print('hidden', file=sys.stderr)\n```\n\n"
+        + fence
+        + ":tags: [demonstrates-failure]\n\nprint('all went well')\n```\n\n"
+        + fence
+        + ":tags: [demonstrates-failure]\n\nprint(repr(ValueError('bad n')))\n```\n"
+    )
+    runner = CellRunner(nb)
+    try:
+        cells = code_cells(nb)
+        with pytest.raises(AssertionError, match="stderr output on the page: a warning"):
+            runner.run(cells[0].index)
+        runner.run(cells[1].index)
+        with pytest.raises(AssertionError, match="shows no error"):
+            runner.run(cells[2].index)
+        runner.run(cells[3].index)
+    finally:
+        runner.close()
+    assert shown_problems(runner.nb.cells[cells[3].index]) == []
 
 
 def test_a_kernel_started_ahead_is_warm_and_its_namespace_clean(tmp_path):
