@@ -66,6 +66,9 @@ MIN_FIGURE_TEXT_PX = 12.0
 FONT_KEY = "xla-permute smallest text px"
 #: The tallest PNG one capture makes; taller pages are saved as several files.
 TILE = 12000
+#: Each checked page's height in CSS px at (WIDE, NARROW), by URL: printed beside its verdict.
+HEIGHTS: dict[str, tuple[int, int]] = {}
+_HEIGHT_JS = "return document.documentElement.scrollHeight"
 
 #: JavaScript run on each page at the desktop width: problems found in the rendered DOM.
 _PROBLEMS_JS = r"""
@@ -478,8 +481,10 @@ def check_page(driver, url: str, *, navigation: bool, shots: Path | None = None)
             problems.append("no table of contents of the page")
     if shots:
         problems += screenshot(driver, shots.with_name(f"{shots.name}.png"))
+    wide = driver.execute_script(_HEIGHT_JS)
     _set_width(driver, NARROW)
     time.sleep(0.2)
+    HEIGHTS[url] = (wide, driver.execute_script(_HEIGHT_JS))
     problems += [f"at {NARROW}px: {p}" for p in driver.execute_script(_LAYOUT_JS)]
     problems += [f"at {NARROW}px: {p}" for p in driver.execute_script(_PHONE_CODE_JS)]
     if shots:
@@ -683,6 +688,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--browsers", type=int, default=2, help="pages checked at once, one Chromium each"
     )
+    parser.add_argument(
+        "--pages", default="*", help="check only the pages matching this glob (tutorials/05*)"
+    )
     args = parser.parse_args(argv)
     root = args.site.resolve()
     if not (root / "index.html").exists():
@@ -694,6 +702,8 @@ def main(argv: list[str] | None = None) -> int:
     jobs: list[tuple[str, Callable[[Any], list[str]]]] = []
     for page in sorted(pages(root), key=lambda p: -p.stat().st_size):
         rel = page.relative_to(root)
+        if not rel.match(args.pages) and not rel.with_suffix("").match(args.pages):
+            continue
         shots = None
         if args.screenshots:
             shots = args.screenshots / str(rel.with_suffix("")).replace("/", "__")
@@ -727,7 +737,11 @@ def main(argv: list[str] | None = None) -> int:
     failures: list[str] = []
     for name, problems in sorted(results.items()):
         if name.endswith(".html"):
-            print(f"{'ok ' if not problems else 'BAD'} {name}")
+            wide, narrow = HEIGHTS.get((root / name).as_uri(), (0, 0))
+            print(
+                f"{'ok ' if not problems else 'BAD'} {name:44} {wide:>7,} px at {WIDE}, "
+                f"{narrow:>7,} at {NARROW}"
+            )
         failures += problems
     for failure in failures:
         print(failure, file=sys.stderr)
