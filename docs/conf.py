@@ -9,6 +9,7 @@ once.
 
 from __future__ import annotations
 
+import inspect
 import os
 import shutil
 import sys
@@ -25,6 +26,8 @@ copyright = "2026, xla-permute developers"
 extensions = [
     "myst_nb",
     "sphinx.ext.autodoc",
+    # The table of names atop each API page (its directive without :toctree: generates nothing).
+    "sphinx.ext.autosummary",
     "sphinx.ext.napoleon",
     "sphinx.ext.viewcode",
     "sphinx_copybutton",
@@ -80,6 +83,7 @@ myst_enable_extensions = ["colon_fence", "dollarmath", "attrs_block"]
 myst_heading_anchors = 3
 
 autodoc_member_order = "bysource"
+autosummary_generate = False
 autodoc_typehints = "description"
 napoleon_google_docstring = True
 nitpicky = False
@@ -101,7 +105,8 @@ html_js_files = ["wrap.js"]
 copybutton_prompt_text = r">>> |\.\.\. |\$ "
 copybutton_prompt_is_regexp = True
 
-autodoc_default_options = {"members": True}
+# No autodoc_default_options = {"members": True}: a default of True replaces a directive's own
+# list (``:members: a, b`` would document every member). Each directive says what it documents.
 autodoc_inherit_docstrings = False  # torch/matplotlib docstrings use roles we do not load
 # No intersphinx (CI has no network): references to other projects' types stay plain text.
 nitpick_ignore_regex = [
@@ -146,39 +151,99 @@ def _lookup(name: str) -> object | None:
     return None
 
 
+def _aliases(obj: object, last: str) -> list[str]:
+    """The dotted names ``obj`` is reached by: where it is defined, and every module of the
+    project that holds it as ``last`` (``xla_permute.collective_permute``, ...)."""
+    names = []
+    if isinstance(obj, type(sys)):
+        names.append(obj.__name__)
+    elif isinstance(getattr(obj, "__module__", None), str) and hasattr(obj, "__qualname__"):
+        names.append(f"{obj.__module__}.{obj.__qualname__}")
+    for module in list(sys.modules.values()):
+        name = getattr(module, "__name__", None)
+        if not isinstance(name, str) or name.partition(".")[0] not in _PACKAGES:
+            continue
+        if getattr(module, last, None) is obj:
+            names.append(f"{name}.{last}")
+    return list(dict.fromkeys(names))
+
+
+_PACKAGES = ("xla_permute", "xla_permute_tools")
+
+
 def _resolve_public_name(app, env, node, contnode):
-    """Resolve ``xla_permute.X`` (and a name relative to the current module) to where X is
-    documented: the public namespace re-exports names defined in the submodules."""
+    """Resolve a reference to a name of the project by any of the names its object has.
+
+    The API pages document each object once, under the name a user types
+    (``xla_permute.collective_permute``); a page or docstring may name it where it is defined
+    (``xla_permute.permute.collective_permute``), or relative to the module of the docstring
+    it stands in (``PermuteWork`` in ``collective_permute``'s): both reach the entry. A method
+    or attribute follows its class (``xla_permute.mesh2d.Mesh2D.shard_sequence``)."""
+    import re
+
+    from sphinx.util.nodes import get_node_source
+
     if node.get("refdomain") != "py":
         return None
-    target, module = node["reftarget"], node.get("py:module")
-    for name in [target, f"{module}.{target}" if module else None]:
-        if not name or not name.startswith("xla_permute"):
+    target = node["reftarget"]
+    contexts = [None, node.get("py:module")]
+    try:
+        source = get_node_source(node)
+    except ValueError:
+        source = ""
+    found = re.search(r"docstring of ([\w.]+)", source or "")
+    if found:  # the module (and class) the docstring was written in
+        parts = found.group(1).split(".")
+        contexts += [".".join(parts[:i]) for i in range(len(parts) - 1, 0, -1)]
+    domain = env.get_domain("py")
+    tried: set[str] = set()
+    for context in contexts:
+        name = f"{context}.{target}" if context else target
+        if name.partition(".")[0] not in _PACKAGES or name in tried:
             continue
-        obj = _lookup(name)
-        if obj is None:
-            continue
-        real = getattr(obj, "__name__", None) if isinstance(obj, type(sys)) else None
-        if real is None:
-            qualname = getattr(obj, "__qualname__", None)
-            real = f"{getattr(obj, '__module__', '')}.{qualname}" if qualname else None
-        candidates = [real] if real and real != target else []
-        last = name.rpartition(".")[2]  # data: wherever a module holds the same object
-        candidates += [
-            f"{m.__name__}.{last}"
-            for m in list(sys.modules.values())
-            if getattr(m, "__name__", "").startswith("xla_permute.")
-            and getattr(m, last, None) is obj
-            and f"{m.__name__}.{last}" != target
-        ]
-        domain = env.get_domain("py")
-        for candidate in candidates:
-            found = domain.resolve_any_xref(
-                env, node["refdoc"], app.builder, candidate, node, contnode
-            )
-            if found:
-                return found[0][1]
+        tried.add(name)
+        parts = name.split(".")
+        for split in range(len(parts), 1, -1):
+            obj = _lookup(".".join(parts[:split]))
+            if obj is None:
+                continue
+            for alias in [".".join(parts[:split]), *_aliases(obj, parts[split - 1])]:
+                candidate = ".".join([alias, *parts[split:]])
+                if candidate == target:
+                    continue
+                hits = domain.resolve_any_xref(
+                    env, node["refdoc"], app.builder, candidate, node, contnode
+                )
+                if hits:
+                    return hits[0][1]
     return None
+
+
+def _no_type_docstring(app, what, name, obj, options, lines) -> None:
+    """A constant without a ``#:`` comment gets no docstring, not its type's (``dict``'s)."""
+    if what in ("data", "attribute") and lines:
+        own = getattr(type(obj), "__doc__", None)
+        if isinstance(own, str) and "\n".join(lines).strip() == inspect.cleandoc(own).strip():
+            lines.clear()
+
+
+def _real_name_targets(app, doctree) -> None:
+    """Give each entry documented under its public name (``xla_permute.collective_permute``)
+    the anchor of the name it is defined under (``xla_permute.permute.collective_permute``)
+    too: the highlighted sources (viewcode) link back to that one."""
+    from sphinx import addnodes
+
+    for sig in doctree.findall(addnodes.desc_signature):
+        module, fullname = sig.get("module"), sig.get("fullname")
+        if not module or not fullname or not module.startswith("xla_permute"):
+            continue
+        obj = _lookup(f"{module}.{fullname}")
+        qualname = getattr(obj, "__qualname__", None)
+        if qualname is None or not isinstance(getattr(obj, "__module__", None), str):
+            continue
+        real = f"{obj.__module__}.{qualname}"
+        if real != f"{module}.{fullname}" and real not in sig["ids"]:
+            sig["ids"].append(real)
 
 
 def _test_files_directive():
@@ -243,4 +308,6 @@ def setup(app) -> None:
     app.connect("doctree-resolved", _fill_runtime)
     app.connect("html-page-context", _notebook_download, priority=400)
     app.connect("missing-reference", _resolve_public_name)
+    app.connect("doctree-read", _real_name_targets)
+    app.connect("autodoc-process-docstring", _no_type_docstring)
     app.add_directive("test-files", _test_files_directive())

@@ -29,6 +29,8 @@ width (420 px), and fails when, on any page:
   build: MathJax must come from ``_static/mathjax``);
 * at 420 px a code cell wraps instead of scrolling in its own box (outputs may wrap);
 * a figure does not open at full size (a link to its image, docs/_static/wrap.js);
+* an internal link leads nowhere: its page does not exist, or its ``#anchor`` is on no
+  element of the page it names (:func:`link_problems`, read from the HTML files);
 
 and when the search page finds nothing for ``collective_permute`` or no page shows a rendered
 formula. Full-page screenshots of
@@ -50,6 +52,7 @@ import sys
 import tempfile
 import time
 import zlib
+from html.parser import HTMLParser
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
@@ -463,6 +466,53 @@ def _wait_for_math(driver, seconds: float = 5.0) -> None:
         time.sleep(0.2)
 
 
+class _Links(HTMLParser):
+    """The ids (and ``<a name>``) of an HTML page, and the targets of its links."""
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.ids: set[str] = set()
+        self.links: list[str] = []
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        named = dict(attrs)
+        for key in ("id", "name") if tag == "a" else ("id",):
+            if named.get(key):
+                self.ids.add(named[key])
+        if tag == "a" and named.get("href"):
+            self.links.append(named["href"])
+
+
+_PARSED: dict[Path, _Links] = {}
+
+
+def _parsed(page: Path) -> _Links:
+    if page not in _PARSED:
+        found = _Links()
+        found.feed(page.read_text(errors="replace"))
+        _PARSED[page] = found
+    return _PARSED[page]
+
+
+def link_problems(page: Path) -> list[str]:
+    """Internal links of ``page`` (a built HTML file) that lead nowhere: to a file that does
+    not exist, or to an ``#anchor`` that no element of the page they name carries."""
+    out: list[str] = []
+    for href in dict.fromkeys(_parsed(page).links):
+        url = urlparse(href)
+        if url.scheme or url.netloc or href.startswith(("mailto:", "javascript:")):
+            continue
+        target = (page.parent / unquote(url.path)).resolve() if url.path else page
+        if target.is_dir():
+            target = target / "index.html"
+        if not target.exists():
+            out.append(f"link to a missing page: {href}")
+        elif url.fragment and target.suffix == ".html":
+            if unquote(url.fragment) not in _parsed(target).ids:
+                out.append(f"link to a missing anchor: {href}")
+    return out
+
+
 def check_page(driver, url: str, *, navigation: bool, shots: Path | None = None) -> list[str]:
     """Problems of one page (empty: none), at both widths; screenshots into ``shots``."""
     _set_width(driver, WIDE)
@@ -473,6 +523,8 @@ def check_page(driver, url: str, *, navigation: bool, shots: Path | None = None)
     problems += driver.execute_script(_LAYOUT_JS)
     problems += figure_problems(driver)
     problems += caption_problems(driver)
+    if url.startswith("file:"):
+        problems += link_problems(Path(unquote(urlparse(url).path)))
     if navigation:
         nav = driver.execute_script(_NAV_JS)
         if not (nav["prev"] or nav["next"]):
@@ -523,6 +575,18 @@ def check_math(driver, root: Path) -> list[str]:
     if not all(src.startswith("file:") for src in found[1]):
         return [f"{page.relative_to(root)}: MathJax not served from the build: {found[1]}"]
     return []
+
+
+def other_links(driver, root: Path) -> list[str]:
+    """Broken internal links of the HTML files no page check opens (the highlighted sources
+    under ``_modules``, the index, the search page); ``driver`` is unused."""
+    checked = set(pages(root))
+    return [
+        f"{page.relative_to(root)}: {problem}"
+        for page in sorted(root.rglob("*.html"))
+        if page not in checked and "_static" not in page.parts and "_sources" not in page.parts
+        for problem in link_problems(page)
+    ]
 
 
 def pages(root: Path) -> list[Path]:
@@ -627,6 +691,15 @@ _BAD_PAGES = {
         + "</pre></div>",
         f"at {NARROW}px: code wraps instead of scrolling",
     ),
+    "broken_anchor.html": (
+        "<h2 id='a-section'>A section</h2><p><a href='#a-section'>here</a>, "
+        "<a href='broken_anchor.html#no-such-section'>gone</a></p>",
+        "link to a missing anchor: broken_anchor.html#no-such-section",
+    ),
+    "missing_page.html": (
+        "<p><a href='api/no_such_page.html#x'>a page never built</a></p>",
+        "link to a missing page",
+    ),
     "tall_page.html": ("<div style='height:30000px'>tall</div>", "screenshot cut short"),
 }
 
@@ -712,6 +785,7 @@ def main(argv: list[str] | None = None) -> int:
         jobs.insert(1, ("self-test", self_test))
     jobs.append(("search", partial(check_search, root=root)))
     jobs.append(("math", partial(check_math, root=root)))
+    jobs.append(("links", partial(other_links, root=root)))
 
     drivers: queue.Queue = queue.Queue()
 
