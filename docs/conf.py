@@ -246,6 +246,18 @@ def _real_name_targets(app, doctree) -> None:
             sig["ids"].append(real)
 
 
+def _viewcode_real_names(app, env) -> None:
+    """The highlighted sources (viewcode) link each definition back to
+    ``#<module>.<name>``, with the module's name as first documented (``xla_permute`` for
+    ``xla_permute.pairs``, whose first entry was ``xla_permute.check_pairs``); make it the
+    module the source is, whose ``#xla_permute.pairs.<name>`` every entry carries
+    (:func:`_real_name_targets`)."""
+    modules = getattr(env, "_viewcode_modules", {})
+    for modname, entry in modules.items():
+        if isinstance(entry, tuple) and len(entry) == 4:
+            modules[modname] = (*entry[:3], modname)
+
+
 def _test_files_directive():
     """``{test-files}``: one section per ``tests/test_*.py``: its docstring, then its source.
 
@@ -309,5 +321,6 @@ def setup(app) -> None:
     app.connect("html-page-context", _notebook_download, priority=400)
     app.connect("missing-reference", _resolve_public_name)
     app.connect("doctree-read", _real_name_targets)
+    app.connect("env-updated", _viewcode_real_names)
     app.connect("autodoc-process-docstring", _no_type_docstring)
     app.add_directive("test-files", _test_files_directive())
