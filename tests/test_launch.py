@@ -292,3 +292,24 @@ def test_mesh_error_names_the_collective_the_missing_rank_and_where_it_was(tmp_p
     empty = tmp_path / "empty"
     empty.mkdir()
     assert launch._diagnose("no abort here", str(empty), 4) == ""  # nothing to say
+
+
+def test_relay_keeps_xla_rendezvous_progress_lines_for_the_diagnosis_only(capfd):
+    """XLA's "may be stuck" / "unstuck" lines of a slow rendezvous reach the tail (which a
+    MeshError's diagnosis reads), not the caller's stderr; every other line reaches both."""
+    from xla_permute.mesh import rank_output
+
+    lines = [
+        "E rendezvous.cc:100] [id=0] This thread has been waiting for `all gather` for 5 "
+        "seconds and may be stuck.",
+        "E rendezvous.cc:110] Thread is unstuck! Warning above was a false-alarm.",
+        "[rank 1] a user's warning",
+    ]
+    script = f"import sys\nfor line in {lines!r}:\n    print(line, file=sys.stderr)\n"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    finished, tail = rank_output.relay(proc, timeout=60)
+    shown = capfd.readouterr().err
+    assert finished and tail.splitlines() == lines
+    assert shown.splitlines() == [lines[2]]
