@@ -38,7 +38,7 @@ extensions = [
 ]
 
 source_suffix = {".md": "myst-nb", ".rst": "restructuredtext"}
-exclude_patterns = ["_build", "jupyter_execute", "**/.ipynb_checkpoints", "*.py"]
+exclude_patterns = ["_build", "jupyter_execute", "**/.ipynb_checkpoints", "*.py", "**/_templates"]
 root_doc = "index"
 
 _ROOT = Path(__file__).resolve().parents[1]
@@ -100,6 +100,10 @@ html_theme_options = {
     "navigation_with_keys": False,
 }
 html_static_path = ["_static"]
+# Theme weight: the theme's layout less its icon script and, outside the search page, its
+# search index (docs/_static/_templates/layout.html says why). The templates are not copied
+# into the site's _static (exclude_patterns applies to the static files too).
+templates_path = ["_static/_templates"]
 html_css_files = ["wrap.css"]
 html_js_files = ["wrap.js"]
 copybutton_prompt_text = r">>> |\.\.\. |\$ "
