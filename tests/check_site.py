@@ -29,6 +29,8 @@ width (420 px), and fails when, on any page:
   build: MathJax must come from ``_static/mathjax``);
 * at 420 px a code cell wraps instead of scrolling in its own box (outputs may wrap);
 * a figure does not open at full size (a link to its image, docs/_static/wrap.js);
+* the page loads more than :data:`ASSET_BUDGET` of scripts and style sheets, the theme's icon
+  script, or (outside the search page) the search index (:func:`weight_problems`);
 * an internal link leads nowhere: its page does not exist, or its ``#anchor`` is on no
   element of the page it names (:func:`link_problems`, read from the HTML files);
 
@@ -474,6 +476,7 @@ class _Links(HTMLParser):
         super().__init__(convert_charrefs=True)
         self.ids: set[str] = set()
         self.links: list[str] = []
+        self.assets: list[str] = []  # the scripts and style sheets it loads
 
     def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
         named = dict(attrs)
@@ -482,6 +485,10 @@ class _Links(HTMLParser):
                 self.ids.add(named[key])
         if tag == "a" and named.get("href"):
             self.links.append(named["href"])
+        if tag == "script" and named.get("src"):
+            self.assets.append(named["src"])
+        if tag == "link" and named.get("href") and "stylesheet" in (named.get("rel") or ""):
+            self.assets.append(named["href"])
 
 
 _PARSED: dict[Path, _Links] = {}
@@ -514,6 +521,33 @@ def link_problems(page: Path) -> list[str]:
     return out
 
 
+#: The most a page may load of scripts and style sheets (MathJax aside, on pages with math):
+#: about 600 KB of the theme's and the extensions'; the theme's icon script alone was 1.56 MB
+#: (docs/_static/_templates/layout.html leaves it out).
+ASSET_BUDGET = 800_000
+
+
+def weight_problems(page: Path) -> list[str]:
+    """The page loads more than :data:`ASSET_BUDGET` bytes of scripts and style sheets, or the
+    theme's icon script, or the search index outside the search page."""
+    out, total = [], 0
+    for src in dict.fromkeys(_parsed(page).assets):
+        url = urlparse(src)
+        if url.scheme or url.netloc:
+            continue  # a network request: the page check reports it
+        path = (page.parent / unquote(url.path)).resolve()
+        if "mathjax" in path.parts or not path.exists():
+            continue
+        total += path.stat().st_size
+        if path.name == "fontawesome.js":
+            out.append(f"loads the theme's icon script ({path.stat().st_size:,} bytes)")
+        if path.name == "searchindex.js" and page.name != "search.html":
+            out.append("loads the search index outside the search page")
+    if total > ASSET_BUDGET:
+        out.append(f"loads {total:,} bytes of scripts and style sheets (over {ASSET_BUDGET:,})")
+    return out
+
+
 def check_page(driver, url: str, *, navigation: bool, shots: Path | None = None) -> list[str]:
     """Problems of one page (empty: none), at both widths; screenshots into ``shots``."""
     _set_width(driver, WIDE)
@@ -526,6 +560,7 @@ def check_page(driver, url: str, *, navigation: bool, shots: Path | None = None)
     problems += caption_problems(driver)
     if url.startswith("file:"):
         problems += link_problems(Path(unquote(urlparse(url).path)))
+        problems += weight_problems(Path(unquote(urlparse(url).path)))
     if navigation:
         nav = driver.execute_script(_NAV_JS)
         if not (nav["prev"] or nav["next"]):
@@ -730,6 +765,10 @@ _BAD_PAGES = {
         "<p><a href='api/no_such_page.html#x'>a page never built</a></p>",
         "link to a missing page",
     ),
+    "heavy_page.html": (
+        "<script src='heavy.js'></script><p>a page with a 900 KB script</p>",
+        "bytes of scripts and style sheets (over",
+    ),
     "tall_page.html": ("<div style='height:30000px'>tall</div>", "screenshot cut short"),
 }
 
@@ -741,6 +780,7 @@ def self_test(driver) -> list[str]:
         # The figures: real PNGs from xla_permute_tools.figures.
         Path(tmp, "small.png").write_bytes(base64.b64decode(_small_text_figure()))
         Path(tmp, "stacked.png").write_bytes(_stacked_figure())
+        Path(tmp, "heavy.js").write_text("// " + "x" * 900_000 + "\n")
         for name, (body, expected) in _BAD_PAGES.items():
             page = Path(tmp, name)
             page.write_text(
