@@ -55,10 +55,10 @@ import sys
 import tempfile
 import time
 import zlib
-from html.parser import HTMLParser
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
+from html.parser import HTMLParser
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlparse
@@ -515,9 +515,12 @@ def link_problems(page: Path) -> list[str]:
             target = target / "index.html"
         if not target.exists():
             out.append(f"link to a missing page: {href}")
-        elif url.fragment and target.suffix == ".html":
-            if unquote(url.fragment) not in _parsed(target).ids:
-                out.append(f"link to a missing anchor: {href}")
+        elif (
+            url.fragment
+            and target.suffix == ".html"
+            and unquote(url.fragment) not in _parsed(target).ids
+        ):
+            out.append(f"link to a missing anchor: {href}")
     return out
 
 

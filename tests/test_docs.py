@@ -1,5 +1,6 @@
-"""The docs build (-n -W) without executing the tutorials: structure, references, API page;
-the cache through which the docs show what the test run executed; the per-rank table.
+"""The docs build (-n -W) without executing the tutorials: structure, references, the API
+pages, the search index; the cache through which the docs show what the test run executed; the
+per-rank table.
 
 The tutorials' cells themselves run as test items (conftest.py), which save each executed
 tutorial for ``make docs`` to render (tests/notebook_cells.py); it executes only pages that
@@ -10,18 +11,61 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def test_docs_build_without_warnings(tmp_path):
-    """The site builds with ``-n -W`` (every reference resolves, no warning), tutorials not
+@pytest.fixture(scope="module")
+def built_site(tmp_path_factory):
+    """The site built with ``-n -W`` (every reference resolves, no warning), tutorials not
     executed."""
+    tmp_path = tmp_path_factory.mktemp("site")
     cmd = [sys.executable, "-m", "sphinx", "-n", "-W", "--keep-going", "-q", "-b", "html"]
     cmd += ["-D", "nb_execution_mode=off", "-d", str(tmp_path / "doctrees")]
     cmd += [str(ROOT / "docs"), str(tmp_path / "html")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
-    assert (tmp_path / "html" / "api.html").exists()
+    return tmp_path / "html"
+
+
+def test_docs_build_without_warnings(built_site):
+    assert (built_site / "api.html").exists()
+
+
+def test_api_pages_document_each_object_once_under_the_name_users_type(built_site):
+    """Every page of docs/api/ is built and in the reference's toctree; ``xp``'s names are
+    entries ``xla_permute.<name>``, each on one page only."""
+    import re
+
+    import xla_permute
+
+    pages = sorted(p.stem for p in (ROOT / "docs" / "api").glob("*.md"))
+    toctree = (ROOT / "docs" / "api.md").read_text().split("```{toctree}")[1].split("```")[0]
+    assert sorted(re.findall(r"^api/(\w+)$", toctree, re.M)) == pages
+    where: dict[str, list[str]] = {}
+    for page in pages:
+        html = (built_site / "api" / f"{page}.html").read_text()
+        for entry in re.findall(r'<dt class="sig sig-object py" id="([^"]+)"', html):
+            where.setdefault(entry, []).append(page)
+    assert {k: v for k, v in where.items() if len(v) > 1} == {}
+    missing = [n for n in xla_permute.__all__ if f"xla_permute.{n}" not in where]
+    # Constants are documented where their ``#:`` comment is (autodoc reads it only there).
+    assert missing == ["SCHEDULES"], missing
+
+
+def test_search_index_leaves_out_the_tests_page(built_site):
+    """docs/tests.md (its test sources make it the largest page) is out of the search index:
+    the words of the sources find the API pages and the tutorials, not it."""
+    import json
+
+    text = (built_site / "searchindex.js").read_text()
+    index = json.loads(text[text.index("(") + 1 : text.rindex(")")])
+    tests = index["docnames"].index("tests")
+    found = index["terms"]["all_gather_matmul"]
+    found = found if isinstance(found, list) else [found]
+    assert tests not in found
+    assert {index["docnames"][i] for i in found} & {"api/matmul", "tutorials/03_collective_matmul"}
 
 
 PAGE = """---
