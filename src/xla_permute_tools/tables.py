@@ -114,8 +114,16 @@ class Table:
         self.columns, self.rows, self.align = list(columns), [list(r) for r in rows], align
 
     def _repr_markdown_(self) -> str:
+        """The table as Markdown; a cell's line breaks become spaces and its pipes escaped.
+
+        >>> print(table(["what", "text"], [["a | b", "two\\nlines"]])._repr_markdown_())
+        | what | text |
+        | --- | --- |
+        | a \\| b | two lines |
+        """
         rule = ["--:" if a == ">" else "---" for a in self.align]
-        lines = [self.columns, rule, *self.rows]
+        body = [[" ".join(v.split()).replace("|", "\\|") for v in row] for row in self.rows]
+        lines = [self.columns, rule, *body]
         return "\n".join("| " + " | ".join(cells) + " |" for cells in lines)
 
     def __str__(self) -> str:
