@@ -286,6 +286,13 @@ def _trim_icon_classes(app, exc) -> None:
     css.write_text(kept)
 
 
+def _fresh_source_pages(app) -> None:
+    """Have viewcode write every highlighted source page anew: it skips a page newer than its
+    module, which kept links back to anchors the API pages no longer have."""
+    if app.builder.format == "html":
+        shutil.rmtree(Path(app.outdir) / "_modules", ignore_errors=True)
+
+
 def _test_files_directive():
     """``{test-files}``: one section per ``tests/test_*.py``: its docstring, then its source.
 
@@ -352,4 +359,5 @@ def setup(app) -> None:
     app.connect("env-updated", _viewcode_real_names)
     app.connect("autodoc-process-docstring", _no_type_docstring)
     app.connect("build-finished", _trim_icon_classes)
+    app.connect("builder-inited", _fresh_source_pages)
     app.add_directive("test-files", _test_files_directive())

@@ -13,6 +13,7 @@ width (420 px), and fails when, on any page:
 * a word is broken inside a table cell (``nativ/e``): cells break only at spaces, hyphens and
   slashes, and a table too wide for the column scrolls in its own container;
 * the page is wider than a 420 px viewport (the reader would scroll sideways);
+* a previous/next link's title is cut off at the link's edge;
 * a figure's smallest text is under 9 pt (12 CSS px) at 1400 px; figures made with
   :func:`xla_permute_tools.figures.new_figure` record their smallest text in the PNG, and a figure
   that does not is reported too;
@@ -192,6 +193,11 @@ for (const cell of main.querySelectorAll("td, th")) {
   if (found) broken += 1;
 }
 if (broken) out.push(`${broken} table cell(s) with a word broken mid-word, e.g. "${first}"`);
+for (const link of document.querySelectorAll(".prev-next-area a")) {
+  if (link.scrollWidth > link.clientWidth + 1) {
+    out.push("previous/next link cut off: " + (link.innerText || "").trim().split("\n").pop());
+  }
+}
 const doc = document.documentElement;
 if (doc.scrollWidth > window.innerWidth + 1) {
   let widest = "", right = 0;
@@ -771,6 +777,13 @@ _BAD_PAGES = {
     "heavy_page.html": (
         "<script src='heavy.js'></script><p>a page with a 900 KB script</p>",
         "bytes of scripts and style sheets (over",
+    ),
+    "cut_next_link.html": (
+        "<div class='prev-next-area'><a class='right-next' href='#' style='display:flex;"
+        "max-width:45%;overflow-x:hidden'><div class='prev-next-info'><p class='prev-next-title'>"
+        + "CollectivePermute" * 4
+        + "</p></div></a></div>",
+        "previous/next link cut off",
     ),
     "tall_page.html": ("<div style='height:30000px'>tall</div>", "screenshot cut short"),
 }
