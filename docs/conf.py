@@ -101,9 +101,8 @@ html_theme_options = {
 }
 html_static_path = ["_static"]
 # Theme weight: the theme's layout less its icon script and, outside the search page, its
-# search index (docs/_static/_templates/layout.html says why). The templates are not copied
-# into the site's _static (exclude_patterns applies to the static files too).
-templates_path = ["_static/_templates"]
+# search index (docs/_templates/layout.html says why).
+templates_path = ["_templates"]
 html_css_files = ["wrap.css"]
 html_js_files = ["wrap.js"]
 copybutton_prompt_text = r">>> |\.\.\. |\$ "

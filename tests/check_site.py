@@ -30,6 +30,7 @@ width (420 px), and fails when, on any page:
   build: MathJax must come from ``_static/mathjax``);
 * at 420 px a code cell wraps instead of scrolling in its own box (outputs may wrap);
 * a figure does not open at full size (a link to its image, docs/_static/wrap.js);
+* the page is taller than ``MAX_PAGE_PX`` at 1400 px (split it, or fold what is not the point);
 * the page loads more than :data:`ASSET_BUDGET` of scripts and style sheets, the theme's icon
   script, or (outside the search page) the search index (:func:`weight_problems`);
 * an internal link leads nowhere: its page does not exist, or its ``#anchor`` is on no
@@ -73,6 +74,8 @@ MIN_FIGURE_TEXT_PX = 12.0
 FONT_KEY = "xla-permute smallest text px"
 #: The tallest PNG one capture makes; taller pages are saved as several files.
 TILE = 12000
+#: The tallest a page may be at WIDE, in CSS px: a longer page is split or folded.
+MAX_PAGE_PX = 15_500
 #: Each checked page's height in CSS px at (WIDE, NARROW), by URL: printed beside its verdict.
 HEIGHTS: dict[str, tuple[int, int]] = {}
 _HEIGHT_JS = "return document.documentElement.scrollHeight"
@@ -532,7 +535,7 @@ def link_problems(page: Path) -> list[str]:
 
 #: The most a page may load of scripts and style sheets (MathJax aside, on pages with math):
 #: about 600 KB of the theme's and the extensions'; the theme's icon script alone was 1.56 MB
-#: (docs/_static/_templates/layout.html leaves it out).
+#: (docs/_templates/layout.html leaves it out).
 ASSET_BUDGET = 800_000
 
 
@@ -579,6 +582,8 @@ def check_page(driver, url: str, *, navigation: bool, shots: Path | None = None)
     if shots:
         problems += screenshot(driver, shots.with_name(f"{shots.name}.png"))
     wide = driver.execute_script(_HEIGHT_JS)
+    if wide > MAX_PAGE_PX:
+        problems.append(f"page is {wide:,} px tall at {WIDE}px (at most {MAX_PAGE_PX:,}): split it")
     _set_width(driver, NARROW)
     time.sleep(0.2)
     HEIGHTS[url] = (wide, driver.execute_script(_HEIGHT_JS))
@@ -786,6 +791,7 @@ _BAD_PAGES = {
         "previous/next link cut off",
     ),
     "tall_page.html": ("<div style='height:30000px'>tall</div>", "screenshot cut short"),
+    "long_page.html": ("<div style='height:20000px'>long</div>", "px tall at"),
 }
 
 

@@ -93,25 +93,23 @@ def test_collective_matmul_caveat_names_the_collective_arguments():
         assert needed in flag.what_goes_wrong
 
 
-def test_caveats_as_markdown_tables():
+def test_caveats_as_table_rows():
     cpu = caveats("CPU")
-    table = hardware.caveat_table(cpu, ("id", "severity", "sources")).splitlines()
-    assert table[:2] == ["| id | severity | sources |", "|---|---|---|"]
-    assert len(table) == 2 + len(cpu) and all(t.count("|") - t.count("\\|") == 4 for t in table)
-    (pin,) = [t for t in table if "`pin-layout`" in t]
-    assert "[pytorch/xla#3511](https://github.com/pytorch/xla/pull/3511)" in pin
-    one = next(c for c in cpu if c.id == "spmd-manual-collectives").markdown().splitlines()
-    assert one[:2] == ["| `spmd-manual-collectives` | error |", "|---|---|"]
-    assert [line.split(" | ")[0] for line in one[2:]] == [
-        "| summary",
-        "| what goes wrong",
-        "| this package",
-        "| evidence",
-        "| sources",
+    names, rows = hardware.caveat_rows(cpu, ("id", "severity", "sources"))
+    assert names == ["id", "severity", "sources"] and len(rows) == len(cpu)
+    (pin,) = [row for row in rows if row[0] == "`pin-layout`"]
+    assert "[pytorch/xla#3511](https://github.com/pytorch/xla/pull/3511)" in pin[2]
+    one = next(c for c in cpu if c.id == "spmd-manual-collectives").rows()
+    assert [label for label, _ in one] == [
+        "summary",
+        "what goes wrong",
+        "this package",
+        "evidence",
+        "sources",
     ]
-    assert all(line.count("|") - line.count("\\|") == 3 for line in one)
+    assert all(text.strip() for _, text in one)
     with pytest.raises(ValueError, match="columns must be Caveat fields"):
-        hardware.caveat_table(cpu, ("id", "severty"))
+        hardware.caveat_rows(cpu, ("id", "severty"))
 
 
 def test_caveat_device_type_names():

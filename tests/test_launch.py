@@ -309,7 +309,8 @@ def test_relay_keeps_xla_rendezvous_progress_lines_for_the_diagnosis_only(capfd)
     proc = subprocess.Popen(
         [sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
     )
-    finished, tail = rank_output.relay(proc, timeout=60)
+    with proc, proc.stdout, proc.stderr:
+        finished, tail = rank_output.relay(proc, timeout=60)
     shown = capfd.readouterr().err
     assert finished and tail.splitlines() == lines
     assert shown.splitlines() == [lines[2]]

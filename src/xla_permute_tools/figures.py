@@ -23,9 +23,10 @@ from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
 from matplotlib.text import Text
 
 from xla_permute.pairs import PairsLike, check_groups, global_pairs
-from xla_permute_tools.tables import (  # noqa: F401  (xp.figures.rank_table, xp.figures.table)
+from xla_permute_tools.tables import (  # noqa: F401  (xp.figures.rank_table, .table, ...)
     RankTable,
     Table,
+    caveat_table,
     describe,
     rank_table,
     table,

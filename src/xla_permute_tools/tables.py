@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["RankTable", "Table", "describe", "rank_table", "table"]
+__all__ = ["RankTable", "Table", "caveat_table", "describe", "rank_table", "table"]
 
 
 class RankTable:
@@ -160,3 +160,15 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], align: str = ""
                 f"table: row {i} has {len(row)} cells for {len(columns)} columns {list(columns)}"
             )
     return Table(columns, cells, align)
+
+
+def caveat_table(caveat: Any) -> Table:
+    """One hardware caveat (:class:`xla_permute.hardware.Caveat`) as a two-column table: its
+    id and severity over its rows (:meth:`~xla_permute.hardware.Caveat.rows`).
+
+    >>> from xla_permute.hardware import caveats
+    >>> cpu = {c.id: c for c in caveats("CPU")}
+    >>> str(caveat_table(cpu["cpu-channel-ids"])).split()[:2]
+    ['`cpu-channel-ids`', 'error']
+    """
+    return table([f"`{caveat.id}`", caveat.severity], caveat.rows())

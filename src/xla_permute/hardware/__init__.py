@@ -43,7 +43,7 @@ ValueError: pairs [(0, 1), (1, 2)] form an open chain 0 -> 1 -> 2: NEURON runs o
 
 from __future__ import annotations
 
-from xla_permute.hardware.catalog import DEVICE_TYPES, SEVERITIES, Caveat, caveat_table, caveats
+from xla_permute.hardware.catalog import DEVICE_TYPES, SEVERITIES, Caveat, caveat_rows, caveats
 from xla_permute.hardware.environment import (
     CollectiveSignature,
     Environment,
@@ -74,7 +74,7 @@ __all__ = [
     "Environment",
     "HardwareWarning",
     "TpuCollectiveMatmulSetup",
-    "caveat_table",
+    "caveat_rows",
     "caveats",
     "check_device_pairs",
     "check_not_spmd",

@@ -12,11 +12,11 @@ in :mod:`xla_permute.hardware.known_caveats`.
 
 from __future__ import annotations
 
-from xla_permute.hardware.caveat import SEVERITIES, Caveat, caveat_table
+from xla_permute.hardware.caveat import SEVERITIES, Caveat, caveat_rows
 from xla_permute.hardware.known_caveats import CAVEATS
 from xla_permute.hardware.rules import device_type_name
 
-__all__ = ["DEVICE_TYPES", "SEVERITIES", "Caveat", "caveat_table", "caveats"]
+__all__ = ["DEVICE_TYPES", "SEVERITIES", "Caveat", "caveat_rows", "caveats"]
 
 #: The device types the caveats know (``torch_xla.runtime.device_type()`` names; ``GPU`` is
 #: an alias of ``CUDA``). A suffix such as ``NEURON_0`` and any case are accepted.

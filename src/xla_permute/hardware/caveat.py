@@ -1,4 +1,4 @@
-"""One hardware caveat: the record, its severities, and how it prints (text, markdown tables).
+"""One hardware caveat: the record, its severities, and how it prints (text, table rows).
 
 The caveats themselves are data in :mod:`xla_permute.hardware.known_caveats`;
 :func:`xla_permute.hardware.caveats` lists those that apply to a device type.
@@ -10,7 +10,7 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["SEVERITIES", "Caveat", "caveat_table"]
+__all__ = ["SEVERITIES", "Caveat", "caveat_rows"]
 
 #: The severities of a caveat, most severe first. ``error``: the program fails, hangs or is
 #: refused; ``silent``: wrong or unexpected results without an error; ``performance``;
@@ -56,14 +56,14 @@ class Caveat:
         lines += [f"  source: {url}" for url in self.sources]
         return "\n".join(lines)
 
-    def markdown(self) -> str:
-        """A two-column markdown table of this caveat (for notebooks: ``IPython.display``'s
-        ``Markdown``), its sources as links.
+    def rows(self) -> list[tuple[str, str]]:
+        """This caveat as ``(label, text)`` rows, its sources as Markdown links: a notebook
+        shows them with ``xp.figures.table([f"`{c.id}`", c.severity], c.rows())``.
 
         >>> from xla_permute.hardware.catalog import caveats
         >>> cpu = {c.id: c for c in caveats("CPU")}
-        >>> print(cpu["cpu-channel-ids"].markdown().splitlines()[0])
-        | `cpu-channel-ids` | error |
+        >>> [label for label, _ in cpu["cpu-channel-ids"].rows()][:2]
+        ['summary', 'what goes wrong']
         """
         rows = [
             ("summary", self.summary),
@@ -73,14 +73,7 @@ class Caveat:
         ]
         if self.sources:
             rows.append(("sources", ", ".join(_link(url) for url in self.sources)))
-        lines = [f"| `{self.id}` | {self.severity} |", "|---|---|"]
-        lines += [f"| {label} | {_cell(text)} |" for label, text in rows]
-        return "\n".join(lines)
-
-
-def _cell(text: str) -> str:
-    """``text`` for one cell of a markdown pipe table."""
-    return " ".join(text.split()).replace("|", "\\|")
+        return rows
 
 
 def _link(url: str) -> str:
@@ -93,24 +86,22 @@ def _link(url: str) -> str:
     return f"[{name}]({url})"
 
 
-def caveat_table(
+def caveat_rows(
     selected: Sequence[Caveat], columns: Sequence[str] = ("severity", "id", "summary")
-) -> str:
-    """A markdown pipe table with one row per caveat and the given :class:`Caveat` fields as
-    columns (``sources`` as links); for notebooks, shown with ``IPython.display.Markdown``.
+) -> tuple[list[str], list[list[str]]]:
+    """The column names and one row per caveat of the given :class:`Caveat` fields (``id``
+    as code, ``sources`` as Markdown links); a notebook shows them with
+    ``xp.figures.table(*caveat_rows(selected, columns))``.
 
     >>> from xla_permute.hardware.catalog import caveats
-    >>> print(caveat_table(caveats("CUDA")[:1]))
-    | severity | id | summary |
-    |---|---|---|
-    | silent | `pin-layout` | pin_layout: default True on most xm collectives, absent on ... |
+    >>> names, rows = caveat_rows(caveats("CUDA")[:1])
+    >>> names[:2], rows[0][:2]
+    (['severity', 'id'], ['silent', '`pin-layout`'])
     """
     fields = {f.name for f in dataclasses.fields(Caveat)}
     bad = [c for c in columns if c not in fields]
     if bad or not columns:
         raise ValueError(f"columns must be Caveat fields ({', '.join(sorted(fields))}), got {bad}")
-    head = [f"| {' | '.join(c.replace('_', ' ') for c in columns)} |"]
-    head.append("|" + "---|" * len(columns))
 
     def value(caveat: Caveat, column: str) -> str:
         v = getattr(caveat, column)
@@ -120,7 +111,7 @@ def caveat_table(
             return ", ".join(_link(url) for url in v)
         if column == "applies_to":
             return "every device type" if "*" in v else ", ".join(v)
-        return _cell(str(v))
+        return str(v)
 
-    rows = [f"| {' | '.join(value(c, col) for col in columns)} |" for c in selected]
-    return "\n".join(head + rows)
+    names = [c.replace("_", " ") for c in columns]
+    return names, [[value(c, col) for col in columns] for c in selected]

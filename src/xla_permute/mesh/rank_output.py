@@ -7,7 +7,11 @@ that process :func:`install` replaces ``sys.stdout`` and ``sys.stderr`` with str
 the file descriptor) pass unchanged. In the calling process :func:`relay` copies the device
 process's stdout and stderr to this process's, line by line while it runs, from the calling
 thread (so a notebook shows them in the running cell), and keeps the tail of stderr for the
-error message of a mesh that fails.
+error message of a mesh that fails. XLA:CPU's rendezvous progress lines ("This thread has been
+waiting ... and may be stuck", then "Thread is unstuck!") go to that tail only: on a loaded
+machine a rank often waits over 5 s at a collective and then goes on, and those two lines
+would end up on every page and in every log; when the wait ends in an abort, the tail holds
+them and :class:`~xla_permute.mesh.launch.MeshError`'s diagnosis reads them.
 
 >>> import io
 >>> out = io.StringIO()
@@ -28,13 +32,14 @@ from __future__ import annotations
 import collections
 import io
 import queue
+import re
 import subprocess
 import sys
 import threading
 import time
 from typing import IO
 
-__all__ = ["RankPrefixedStream", "install", "relay", "set_rank"]
+__all__ = ["RENDEZVOUS_PROGRESS", "RankPrefixedStream", "install", "relay", "set_rank"]
 
 _local = threading.local()
 
@@ -98,12 +103,18 @@ def _read_lines(stream: IO[str], kind: str, lines: queue.Queue) -> None:
     lines.put((kind, None))
 
 
+#: XLA:CPU's lines about a rendezvous that is slow to fill (rendezvous.cc), not yet a failure.
+RENDEZVOUS_PROGRESS = re.compile(
+    r"rendezvous\.cc:\d+\] (\[id=\d+\] This thread has been waiting|Thread is unstuck)"
+)
+
+
 def relay(proc: subprocess.Popen, timeout: float, tail_lines: int = 25) -> tuple[bool, str]:
     """Copy ``proc``'s stdout and stderr (text pipes) to this process's while it runs.
 
     Returns ``(finished, stderr_tail)``: ``finished`` is False if ``proc`` ran over
     ``timeout`` seconds (the caller kills it); ``stderr_tail`` holds its last ``tail_lines``
-    lines of stderr.
+    lines of stderr. Lines matching :data:`RENDEZVOUS_PROGRESS` go to the tail only.
     """
     lines: queue.Queue = queue.Queue()
     for stream, kind in ((proc.stdout, "out"), (proc.stderr, "err")):
@@ -123,7 +134,8 @@ def relay(proc: subprocess.Popen, timeout: float, tail_lines: int = 25) -> tuple
         elif kind == "out":
             sys.stdout.write(line)
         else:
-            sys.stderr.write(line)
+            if not RENDEZVOUS_PROGRESS.search(line):
+                sys.stderr.write(line)
             tail.append(line)
     sys.stdout.flush()
     remaining = max(deadline - time.monotonic(), 0.1)
