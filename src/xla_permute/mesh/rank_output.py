@@ -103,7 +103,7 @@ def _read_lines(stream: IO[str], kind: str, lines: queue.Queue) -> None:
     lines.put((kind, None))
 
 
-#: XLA:CPU's lines about a rendezvous that is slow to fill (rendezvous.cc), not yet a failure.
+#: The lines XLA's CPU runtime writes about a rendezvous slow to fill (rendezvous.cc).
 RENDEZVOUS_PROGRESS = re.compile(
     r"rendezvous\.cc:\d+\] (\[id=\d+\] This thread has been waiting|Thread is unstuck)"
 )
