@@ -169,7 +169,7 @@ for (const el of main.querySelectorAll("p, li, td, th, dd")) {
   if (tex.test(text)) out.push("math left as raw TeX: " + text.trim().slice(0, 60));
 }
 return out;
-"""
+""".replace("FAILURE_WORDS", FAILURE_WORDS)  # the words notebook_cells checks too
 
 #: Words broken inside a table cell, and whether the page scrolls sideways (any width).
 _LAYOUT_JS = r"""
@@ -566,13 +566,13 @@ def check_page(driver, url: str, *, navigation: bool, shots: Path | None = None)
     driver.get(url)
     time.sleep(0.2)
     _wait_for_math(driver)
-    problems = list(driver.execute_script(_PROBLEMS_JS.replace("FAILURE_WORDS", FAILURE_WORDS)))
+    problems = list(driver.execute_script(_PROBLEMS_JS))
     problems += driver.execute_script(_LAYOUT_JS)
     problems += figure_problems(driver)
     problems += caption_problems(driver)
     if url.startswith("file:"):
-        problems += link_problems(Path(unquote(urlparse(url).path)))
-        problems += weight_problems(Path(unquote(urlparse(url).path)))
+        page = Path(unquote(urlparse(url).path))
+        problems += link_problems(page) + weight_problems(page)
     if navigation:
         nav = driver.execute_script(_NAV_JS)
         if not (nav["prev"] or nav["next"]):

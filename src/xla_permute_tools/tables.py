@@ -10,7 +10,10 @@ No torch or matplotlib import: tensors are recognised by their ``shape`` and ``t
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from xla_permute.hardware.caveat import Caveat
 
 __all__ = ["RankTable", "Table", "caveat_table", "describe", "rank_table", "table"]
 
@@ -162,7 +165,7 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], align: str = ""
     return Table(columns, cells, align)
 
 
-def caveat_table(caveat: Any) -> Table:
+def caveat_table(caveat: Caveat) -> Table:
     """One hardware caveat (:class:`xla_permute.hardware.Caveat`) as a two-column table: its
     id and severity over its rows (:meth:`~xla_permute.hardware.Caveat.rows`).
 

@@ -58,7 +58,7 @@ class Caveat:
 
     def rows(self) -> list[tuple[str, str]]:
         """This caveat as ``(label, text)`` rows, its sources as Markdown links: a notebook
-        shows them with ``xp.figures.table([f"`{c.id}`", c.severity], c.rows())``.
+        shows them with ``xp.figures.caveat_table(caveat)``.
 
         >>> from xla_permute.hardware.catalog import caveats
         >>> cpu = {c.id: c for c in caveats("CPU")}
