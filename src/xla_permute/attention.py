@@ -45,8 +45,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from xla_permute.backends.select import BackendName as Backend
-from xla_permute.backends.select import CommBackend, Handle, Ring, check_tensor, ring
+from xla_permute.backends.select import BackendName, CommBackend, Handle, Ring, check_tensor, ring
 from xla_permute.reference import accumulation_dtype
 from xla_permute.schedule import AttentionHop, ring_attention_schedule
 from xla_permute.sequence import check_layout, layout_chunks
@@ -353,7 +352,7 @@ def ring_attention(
     layout: str = "contiguous",
     scale: float | None = None,
     groups: Sequence[Sequence[int]] | None = None,
-    backend: Backend = "auto",
+    backend: BackendName = "auto",
 ) -> torch.Tensor:
     """Attention of this rank's queries to the whole sequence, K/V passed around a ring.
 

@@ -34,9 +34,7 @@ from typing import Any
 import torch
 
 from xla_permute.backends.select import CommBackend, check_tensor
-from xla_permute.pairs import Groups as CheckedGroups
-from xla_permute.pairs import GroupsLike as Groups
-from xla_permute.pairs import check_dim, check_groups
+from xla_permute.pairs import Groups, GroupsLike, check_dim, check_groups
 
 __all__ = [
     "all_gather",
@@ -50,7 +48,7 @@ __all__ = [
 class _AllGather(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, dim: int, groups: CheckedGroups, backend: CommBackend
+        ctx: Any, x: torch.Tensor, dim: int, groups: Groups, backend: CommBackend
     ) -> torch.Tensor:
         ctx.dim, ctx.groups, ctx.backend = dim, groups, backend
         return backend.all_gather(x, dim, groups)
@@ -64,7 +62,7 @@ class _AllGather(torch.autograd.Function):
 class _ReduceScatter(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, dim: int, groups: CheckedGroups, backend: CommBackend
+        ctx: Any, x: torch.Tensor, dim: int, groups: Groups, backend: CommBackend
     ) -> torch.Tensor:
         ctx.dim, ctx.groups, ctx.backend = dim, groups, backend
         return backend.reduce_scatter(x, dim, groups)
@@ -75,9 +73,7 @@ class _ReduceScatter(torch.autograd.Function):
         return back, None, None, None
 
 
-def _agree_dim(
-    op: str, x: torch.Tensor, dim: int, groups: CheckedGroups, backend: CommBackend
-) -> None:
+def _agree_dim(op: str, x: torch.Tensor, dim: int, groups: Groups, backend: CommBackend) -> None:
     """The agreement check (:mod:`xla_permute.debug`): every rank passes the same shape, dtype,
     dim and groups, and its own device; else every rank raises before the collective."""
     from xla_permute import debug
@@ -86,7 +82,7 @@ def _agree_dim(
     debug.agree(op, {"x": x}, options, backend=backend)
 
 
-def _begin(x: object, dim: object, groups: Groups, backend: str, op: str) -> tuple[Any, ...]:
+def _begin(x: object, dim: object, groups: GroupsLike, backend: str, op: str) -> tuple[Any, ...]:
     """The op's boundary: ``(x, dim, checked groups, backend)``."""
     chosen = check_tensor(x, "x", backend)
     assert isinstance(x, torch.Tensor)
@@ -94,7 +90,7 @@ def _begin(x: object, dim: object, groups: Groups, backend: str, op: str) -> tup
 
 
 def all_gather(
-    x: torch.Tensor, dim: int, *, groups: Groups = None, backend: str = "auto"
+    x: torch.Tensor, dim: int, *, groups: GroupsLike = None, backend: str = "auto"
 ) -> torch.Tensor:
     """Concatenate every rank's ``x`` along ``dim``; backward: reduce-scatter of the gradient.
 
@@ -110,7 +106,7 @@ def all_gather(
 
 
 def reduce_scatter(
-    x: torch.Tensor, dim: int, *, groups: Groups = None, backend: str = "auto"
+    x: torch.Tensor, dim: int, *, groups: GroupsLike = None, backend: str = "auto"
 ) -> torch.Tensor:
     """Sum ``x`` over the group and keep this rank's block along ``dim``; backward: all-gather.
 
@@ -134,7 +130,7 @@ def reduce_scatter(
 
 
 def all_gather_checked(
-    x: torch.Tensor, dim: int, groups: CheckedGroups, backend: CommBackend
+    x: torch.Tensor, dim: int, groups: Groups, backend: CommBackend
 ) -> torch.Tensor:
     """:func:`all_gather` of arguments an op has checked already (and agreed on in debug
     mode): the baselines of :mod:`xla_permute.matmul` call it after their own boundary."""
@@ -142,13 +138,13 @@ def all_gather_checked(
 
 
 def reduce_scatter_checked(
-    x: torch.Tensor, dim: int, groups: CheckedGroups, backend: CommBackend
+    x: torch.Tensor, dim: int, groups: Groups, backend: CommBackend
 ) -> torch.Tensor:
     """:func:`reduce_scatter` of checked arguments (as :func:`all_gather_checked`)."""
     return _ReduceScatter.apply(x, dim, groups, backend)
 
 
-def _sum(x: torch.Tensor, groups: CheckedGroups, backend: CommBackend) -> torch.Tensor:
+def _sum(x: torch.Tensor, groups: Groups, backend: CommBackend) -> torch.Tensor:
     """Raw sum over the group: flatten, pad to a multiple of N, reduce-scatter, all-gather."""
     n = len(groups[0])
     flat = x.reshape(-1)
@@ -162,9 +158,7 @@ def _sum(x: torch.Tensor, groups: CheckedGroups, backend: CommBackend) -> torch.
 
 class _AllReduce(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, groups: CheckedGroups, backend: CommBackend
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, groups: Groups, backend: CommBackend) -> torch.Tensor:
         ctx.groups, ctx.backend = groups, backend
         return _sum(x, groups, backend)
 
@@ -175,9 +169,7 @@ class _AllReduce(torch.autograd.Function):
 
 class _SumGradients(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, groups: CheckedGroups, backend: CommBackend
-    ) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, groups: Groups, backend: CommBackend) -> torch.Tensor:
         ctx.groups, ctx.backend = groups, backend
         return x.view_as(x)
 
@@ -188,7 +180,9 @@ class _SumGradients(torch.autograd.Function):
         return _sum(grad.contiguous(), ctx.groups, ctx.backend), None, None
 
 
-def sum_gradients(x: torch.Tensor, *, groups: Groups = None, backend: str = "auto") -> torch.Tensor:
+def sum_gradients(
+    x: torch.Tensor, *, groups: GroupsLike = None, backend: str = "auto"
+) -> torch.Tensor:
     """Identity forward; backward sums the gradient over ranks.
 
     For a parameter held whole on every rank but used on a shard of the data (the bias of a
@@ -200,7 +194,9 @@ def sum_gradients(x: torch.Tensor, *, groups: Groups = None, backend: str = "aut
     return _SumGradients.apply(x, check_groups(groups, chosen.world_size()), chosen)
 
 
-def all_reduce(x: torch.Tensor, *, groups: Groups = None, backend: str = "auto") -> torch.Tensor:
+def all_reduce(
+    x: torch.Tensor, *, groups: GroupsLike = None, backend: str = "auto"
+) -> torch.Tensor:
     """The sum of every rank's ``x`` over its group, on every rank of the group.
 
     Per rank: ``x [...] -> [...]`` (same shape), ``y = sum_j x_j`` over the group's ranks
@@ -222,7 +218,7 @@ def all_reduce(x: torch.Tensor, *, groups: Groups = None, backend: str = "auto")
 
 
 def all_reduce_gradients(
-    parameters: Iterable[torch.Tensor], *, groups: Groups = None, backend: str = "auto"
+    parameters: Iterable[torch.Tensor], *, groups: GroupsLike = None, backend: str = "auto"
 ) -> None:
     """Replace each parameter's ``.grad`` with its sum over the group; call after backward.
 

@@ -45,11 +45,9 @@ from typing import Any
 import torch
 
 from xla_permute import collectives
-from xla_permute.backends.select import BackendName as Backend
-from xla_permute.backends.select import CommBackend, Ring, check_tensor, ring
+from xla_permute.backends.select import BackendName, CommBackend, Ring, check_tensor, ring
 from xla_permute.matmul_ring import _block, _RingMatmul
-from xla_permute.pairs import GroupsLike as Groups
-from xla_permute.pairs import check_dim, check_groups, check_int
+from xla_permute.pairs import GroupsLike, check_dim, check_groups, check_int
 from xla_permute.reference import accumulation_dtype
 
 __all__ = [
@@ -145,7 +143,7 @@ def _empty_or_single(x: torch.Tensor, ws: list[torch.Tensor], ring: Ring) -> boo
 
 
 def _ring(
-    x: object, groups: Groups, backend: str, bidirectional: bool = False
+    x: object, groups: GroupsLike, backend: str, bidirectional: bool = False
 ) -> tuple[torch.Tensor, Ring]:
     """The op's boundary: ``x`` checked against the backend it resolves to, this rank's ring."""
     chosen = check_tensor(x, "x", backend)
@@ -158,8 +156,8 @@ def all_gather_matmul(
     *,
     dim: int,
     bidirectional: bool = False,
-    groups: Groups = None,
-    backend: Backend = "auto",
+    groups: GroupsLike = None,
+    backend: BackendName = "auto",
     chunks: int = 1,
 ) -> Any:
     """``AllGather(x, dim) @ w`` without ever holding the gathered x; differentiable (once).
@@ -216,8 +214,8 @@ def matmul_reduce_scatter(
     dim: int,
     bidirectional: bool = False,
     reduce_dtype: torch.dtype | None = None,
-    groups: Groups = None,
-    backend: Backend = "auto",
+    groups: GroupsLike = None,
+    backend: BackendName = "auto",
 ) -> torch.Tensor:
     """``ReduceScatter(x @ w, dim)`` with the partial sums travelling round the ring.
 
@@ -261,7 +259,12 @@ def matmul_reduce_scatter(
 
 
 def all_gather_then_matmul(
-    x: torch.Tensor, w: Weights, *, dim: int, groups: Groups = None, backend: Backend = "auto"
+    x: torch.Tensor,
+    w: Weights,
+    *,
+    dim: int,
+    groups: GroupsLike = None,
+    backend: BackendName = "auto",
 ) -> Any:
     """Baseline: upstream all-gather (channel id; ``all_gather_into_tensor`` on c10d), then
     one matmul per weight. Same result and shapes as :func:`all_gather_matmul`; holds the
@@ -285,8 +288,8 @@ def matmul_then_reduce_scatter(
     *,
     dim: int,
     reduce_dtype: torch.dtype | None = None,
-    groups: Groups = None,
-    backend: Backend = "auto",
+    groups: GroupsLike = None,
+    backend: BackendName = "auto",
 ) -> torch.Tensor:
     """Baseline: one matmul, then upstream reduce-scatter (channel id; ``reduce_scatter_tensor``
     on c10d) in ``reduce_dtype`` (:func:`~xla_permute.reference.accumulation_dtype`). Same

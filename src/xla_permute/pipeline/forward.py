@@ -34,7 +34,7 @@ from collections.abc import Callable
 
 import torch
 
-from xla_permute.backends.select import BackendName as Backend
+from xla_permute.backends.select import BackendName
 from xla_permute.pipeline.orders import make_schedule
 from xla_permute.pipeline.schedule import check_count
 from xla_permute.pipeline.shift import resolve_wrap, stage_shift
@@ -79,7 +79,7 @@ def pipeline_forward(
     *,
     stages: int | None = None,
     wrap: bool | None = None,
-    backend: Backend = "auto",
+    backend: BackendName = "auto",
 ) -> torch.Tensor:
     """Run the GPipe forward of this rank's ``stage`` over all micro-batches; differentiable.
 

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from xla_permute.backends.select import BackendName as Backend
+from xla_permute.backends.select import BackendName
 from xla_permute.pipeline.forward import pipeline_groups
 from xla_permute.pipeline.orders import SCHEDULES, make_schedule
 from xla_permute.pipeline.schedule import Cell, PipelineSchedule, units
@@ -163,7 +163,7 @@ def pipeline_step(
     ranks: int | None = None,
     activation: torch.Tensor | tuple[tuple[int, ...], torch.dtype] | str | None = None,
     wrap: bool | None = None,
-    backend: Backend = "auto",
+    backend: BackendName = "auto",
 ) -> PipelineStep:
     """One training step (forward and backward) of a pipeline schedule, on this rank.
 

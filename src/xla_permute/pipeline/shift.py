@@ -43,8 +43,7 @@ from collections.abc import Sequence
 
 import torch
 
-from xla_permute.backends.select import BackendName as Backend
-from xla_permute.backends.select import check_tensor
+from xla_permute.backends.select import BackendName, check_tensor
 from xla_permute.pairs import Pairs, check_groups, ring_pairs
 from xla_permute.permute import collective_permute
 
@@ -150,7 +149,7 @@ def stage_shift(
     offset: int = 1,
     wrap: bool | None = None,
     groups: Sequence[Sequence[int]] | None = None,
-    backend: Backend = "auto",
+    backend: BackendName = "auto",
 ) -> torch.Tensor:
     """Send this rank's ``x`` to the rank ``offset`` ahead, all ranks at once, in one permute.
 

@@ -44,8 +44,7 @@ from torch import nn
 from xla_permute.attention import ring_attention
 from xla_permute.backends.select import ring_of
 from xla_permute.collectives import sum_gradients
-from xla_permute.pairs import GroupsLike as Groups
-from xla_permute.pairs import check_int
+from xla_permute.pairs import GroupsLike, check_int
 from xla_permute.sequence import check_layout, layout_positions
 from xla_permute.tensor_parallel.layers import (
     ColumnParallelLinear,
@@ -61,7 +60,7 @@ PositionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Te
 
 
 def kv_head_groups(
-    heads: int, kv_heads: int, world_size: int, groups: Groups = None
+    heads: int, kv_heads: int, world_size: int, groups: GroupsLike = None
 ) -> list[list[int]] | None:
     """The ranks that hold the same key/value head, as replica groups (None: one rank each).
 
@@ -118,7 +117,7 @@ class ParallelAttention(nn.Module):
         position_fn: PositionFn | None = None,
         causal: bool = True,
         returns_weights: bool = False,
-        context_groups: Groups = None,
+        context_groups: GroupsLike = None,
         layout: str = "contiguous",
     ) -> None:
         super().__init__()
@@ -147,9 +146,9 @@ class ParallelAttention(nn.Module):
         position_fn: PositionFn | None = None,
         causal: bool = True,
         returns_weights: bool = False,
-        context_groups: Groups = None,
+        context_groups: GroupsLike = None,
         layout: str = "contiguous",
-        groups: Groups = None,
+        groups: GroupsLike = None,
         backend: str = "auto",
         world_size: int | None = None,
         rank: int | None = None,

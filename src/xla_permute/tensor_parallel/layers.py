@@ -68,8 +68,7 @@ from xla_permute.matmul import (
     matmul_reduce_scatter,
     matmul_then_reduce_scatter,
 )
-from xla_permute.pairs import GroupsLike as Groups
-from xla_permute.pairs import check_int
+from xla_permute.pairs import GroupsLike, check_int
 from xla_permute.tensor_parallel.regions import gather_replicated, reduce_replicated
 
 __all__ = [
@@ -83,7 +82,7 @@ STRATEGIES = ("ring", "baseline", "xla", "auto")
 
 
 def _world(
-    world_size: object, rank: object, groups: Groups, backend: str = "auto"
+    world_size: object, rank: object, groups: GroupsLike, backend: str = "auto"
 ) -> tuple[int, int]:
     """The group size and this rank's position in it: given, or asked from the backend (a
     running mesh, or torch.distributed's process group)."""
@@ -146,7 +145,7 @@ class _ParallelLinear(nn.Module):
         strategy: str = "ring",
         bidirectional: bool = False,
         sequence_parallel: bool = True,
-        groups: Groups = None,
+        groups: GroupsLike = None,
         backend: str = "auto",
         world_size: int | None = None,
         rank: int | None = None,

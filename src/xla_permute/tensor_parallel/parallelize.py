@@ -37,7 +37,7 @@ from typing import Any
 from torch import nn
 
 from xla_permute.collectives import sum_gradients
-from xla_permute.pairs import GroupsLike as Groups
+from xla_permute.pairs import GroupsLike
 from xla_permute.sequence import check_layout
 from xla_permute.tensor_parallel.heads import ParallelAttention
 from xla_permute.tensor_parallel.layers import (
@@ -273,13 +273,13 @@ def _sum_gradients_on_use(module: nn.Module, comm: dict[str, Any]) -> None:
 
 def parallelize_module(
     module: nn.Module,
-    groups: Groups = None,
+    groups: GroupsLike = None,
     plan: Mapping[str, Any] | None = None,
     *,
     strategy: str = "ring",
     bidirectional: bool = False,
     share_rings: bool = True,
-    context_groups: Groups = None,
+    context_groups: GroupsLike = None,
     layout: str = "contiguous",
     backend: str = "auto",
     world_size: int | None = None,

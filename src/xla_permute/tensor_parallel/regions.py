@@ -23,14 +23,14 @@ from typing import Any
 import torch
 
 from xla_permute.collectives import all_gather, all_reduce
-from xla_permute.pairs import GroupsLike as Groups
+from xla_permute.pairs import GroupsLike
 
 __all__ = ["gather_replicated", "reduce_replicated"]
 
 
 class _ReduceReplicated(torch.autograd.Function):
     @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, groups: Groups, backend: str) -> torch.Tensor:
+    def forward(ctx: Any, x: torch.Tensor, groups: GroupsLike, backend: str) -> torch.Tensor:
         return all_reduce(x, groups=groups, backend=backend)
 
     @staticmethod
@@ -41,7 +41,7 @@ class _ReduceReplicated(torch.autograd.Function):
 class _GatherReplicated(torch.autograd.Function):
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, dim: int, position: int, groups: Groups, backend: str
+        ctx: Any, x: torch.Tensor, dim: int, position: int, groups: GroupsLike, backend: str
     ) -> torch.Tensor:
         ctx.dim, ctx.start, ctx.size = dim, position * x.shape[dim], x.shape[dim]
         return all_gather(x, dim, groups=groups, backend=backend)
@@ -52,7 +52,7 @@ class _GatherReplicated(torch.autograd.Function):
 
 
 def reduce_replicated(
-    x: torch.Tensor, *, groups: Groups = None, backend: str = "auto"
+    x: torch.Tensor, *, groups: GroupsLike = None, backend: str = "auto"
 ) -> torch.Tensor:
     """The sum of every rank's partial ``x`` over the group, a replicated result.
 
@@ -64,7 +64,7 @@ def reduce_replicated(
 
 
 def gather_replicated(
-    x: torch.Tensor, dim: int, position: int, *, groups: Groups = None, backend: str = "auto"
+    x: torch.Tensor, dim: int, position: int, *, groups: GroupsLike = None, backend: str = "auto"
 ) -> torch.Tensor:
     """Every rank's block concatenated along ``dim``, a replicated result.
 

@@ -23,8 +23,7 @@ from torch import nn
 
 from xla_permute.backends.select import check_tensor, ring_of
 from xla_permute.collectives import all_gather, all_reduce, reduce_scatter
-from xla_permute.pairs import GroupsLike as Groups
-from xla_permute.pairs import check_dim, check_int
+from xla_permute.pairs import GroupsLike, check_dim, check_int
 from xla_permute.reference import accumulation_dtype
 from xla_permute.tensor_parallel.layers import _world
 from xla_permute.tensor_parallel.regions import reduce_replicated
@@ -61,7 +60,7 @@ class VocabParallelEmbedding(nn.Module):
         output: str = "sequence",
         dim: int = 1,
         padding_idx: int | None = None,
-        groups: Groups = None,
+        groups: GroupsLike = None,
         backend: str = "auto",
         world_size: int | None = None,
         rank: int | None = None,
@@ -169,7 +168,7 @@ def vocab_parallel_cross_entropy(
     *,
     ignore_index: int = -100,
     reduction: str = "mean",
-    groups: Groups = None,
+    groups: GroupsLike = None,
     backend: str = "auto",
 ) -> torch.Tensor:
     """Cross-entropy of logits sharded over the vocabulary, equal to the unsharded one.
