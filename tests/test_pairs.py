@@ -12,7 +12,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from xla_permute import collective_permute
-from xla_permute.backends.select import resolve_backend
+from xla_permute.backends.select import get_backend
 from xla_permute.backends.xla import check_xla_tensor
 from xla_permute.pairs import (
     check_groups,
@@ -86,16 +86,7 @@ def test_x_not_on_an_xla_device():
 @pytest.mark.parametrize("backend", ["nccl", "Native", None])
 def test_bad_backend(backend):
     with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'native', 'emul"):
-        resolve_backend(backend, "CPU")
-
-
-def test_auto_backend_by_device_type():
-    assert [resolve_backend("auto", d) for d in ("CPU", "TPU", "NEURON")] == [
-        "emulated",
-        "native",
-        "native",
-    ]
-    assert resolve_backend("emulated", "TPU") == "emulated"
+        get_backend(backend)
 
 
 # --- groups ---------------------------------------------------------------------------------

@@ -19,9 +19,7 @@ from xla_permute.backends.select import (
     check_tensor,
     distributed_ready,
     get_backend,
-    resolve_backend,
     ring,
-    ring_of,
 )
 
 __all__ = [
@@ -34,7 +32,5 @@ __all__ = [
     "check_tensor",
     "distributed_ready",
     "get_backend",
-    "resolve_backend",
     "ring",
-    "ring_of",
 ]

@@ -62,9 +62,7 @@ __all__ = [
     "check_tensor",
     "distributed_ready",
     "get_backend",
-    "resolve_backend",
     "ring",
-    "ring_of",
 ]
 
 BackendName = Literal["auto", "native", "emulated", "c10d"]
@@ -190,34 +188,3 @@ def ring(
     chosen = get_backend(backend) if isinstance(backend, str) else backend
     size, position, checked = chosen.position(groups)
     return Ring(chosen, size, position, checked, bool(bidirectional))
-
-
-def resolve_backend(backend: str, device_type: str | None = None) -> str:
-    """The name of the backend ``backend`` stands for (``"auto"`` resolved).
-
-    With ``device_type`` (an XLA device type): ``"emulated"`` on ``"CPU"``, ``"native"``
-    elsewhere. Without it: ``"c10d"`` when a ``torch.distributed`` process group is
-    initialized, else the XLA rule for this process's XLA device.
-
-    >>> resolve_backend("auto", "CPU"), resolve_backend("auto", "TPU"), resolve_backend("native")
-    ('emulated', 'native', 'native')
-    """
-    if backend not in BACKENDS:
-        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if backend != "auto":
-        return backend
-    if device_type is not None:
-        return "emulated" if device_type == "CPU" else "native"
-    return get_backend("auto").name
-
-
-def ring_of(
-    groups: Sequence[Sequence[int]] | None = None, backend: str | CommBackend = "auto"
-) -> tuple[int, int, tuple[tuple[int, ...], ...] | None]:
-    """``(group size, this rank's position in its group, checked groups)`` on this rank.
-
-    ``groups=None``: all ranks, and ``None`` as the checked groups. Asks the backend
-    (``"auto"``: torch.distributed when it is initialized, else the XLA runtime).
-    """
-    chosen = get_backend(backend) if isinstance(backend, str) else backend
-    return chosen.position(groups)

@@ -42,7 +42,7 @@ import torch
 from torch import nn
 
 from xla_permute.attention import ring_attention
-from xla_permute.backends.select import ring_of
+from xla_permute.backends.select import get_backend
 from xla_permute.collectives import sum_gradients
 from xla_permute.pairs import GroupsLike, check_int
 from xla_permute.sequence import check_layout, layout_positions
@@ -225,7 +225,7 @@ class ParallelAttention(nn.Module):
         if self.context_groups is None:
             positions = torch.arange(s)
         else:
-            size, position, _ = ring_of(self.context_groups, self.o_proj.backend)
+            size, position, _ = get_backend(self.o_proj.backend).position(self.context_groups)
             positions = layout_positions(size, position, self.layout, s)
         if self.position_fn is not None:
             q, k = self.position_fn(q, k, positions.to(x.device))

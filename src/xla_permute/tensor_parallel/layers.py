@@ -60,7 +60,7 @@ import torch
 from torch import nn
 from typing_extensions import Self
 
-from xla_permute.backends.select import BACKENDS, ring_of
+from xla_permute.backends.select import BACKENDS, get_backend
 from xla_permute.collectives import sum_gradients
 from xla_permute.matmul import (
     all_gather_matmul,
@@ -104,7 +104,7 @@ def _world(
                 "or pass both"
             )
     if world_size is None or rank is None:
-        size, position, _ = ring_of(groups, backend)
+        size, position, _ = get_backend(backend).position(groups)
         world_size = size if world_size is None else world_size
         rank = position if rank is None else rank
     if not 0 <= rank < world_size:
@@ -193,10 +193,8 @@ class _ParallelLinear(nn.Module):
             raise ValueError(
                 f"{name}.weight is on {self.weight.device} but the input is on {x.device}; {fix}"
             )
-        from xla_permute.backends.select import get_backend
-
         comm = get_backend(self.backend, x if isinstance(x, torch.Tensor) else None)
-        size, position, _ = ring_of(self.groups, comm)
+        size, position, _ = comm.position(self.groups)
         if (size, position) != (self.world_size, self.rank):
             raise ValueError(
                 f"{name} was built for rank {self.rank} of {self.world_size} but runs on rank "

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from xla_permute.backends.select import check_tensor, ring_of
+from xla_permute.backends.select import check_tensor
 from xla_permute.collectives import all_gather, all_reduce, reduce_scatter
 from xla_permute.pairs import GroupsLike, check_dim, check_int
 from xla_permute.reference import accumulation_dtype
@@ -199,7 +199,7 @@ def vocab_parallel_cross_entropy(
     ignore_index = check_int(ignore_index, "ignore_index")
     chosen = check_tensor(logits, "logits", backend)
     check_tensor(target, "target", backend)
-    _, position, _ = ring_of(groups, chosen)
+    _, position, _ = chosen.position(groups)
     comm = dict(groups=groups, backend=backend)
     start = position * logits.shape[-1]
     loss = _VocabParallelCrossEntropy.apply(logits, target, start, ignore_index, comm)
