@@ -2,9 +2,9 @@
 
 The evidence that a collective matmul is what it claims (N-1 collective-permutes, no
 all-gather, no step's dot waiting on the permute issued in the same step) is in the program
-XLA receives. Get that text on a rank with :func:`trace` (traced, nothing executed) and read it
-with :func:`parse`. What each rank sends, per collective and per ring step, is
-:func:`account_bytes`; how the permutes of a ring depend on each other, :func:`chain_report`.
+XLA receives. Get that text on a rank with :func:`trace` (traced, nothing executed; inside
+:func:`tracing` for collectives that cannot run here) and read it with :func:`parse`; what one
+rank sends for a collective is :func:`bytes_sent_per_rank`.
 
 >>> text = '''
 ... ENTRY %m (p0: f32[4,8]) -> f32[4,8] {
@@ -24,29 +24,21 @@ with :func:`parse`. What each rank sends, per collective and per ring step, is
 from __future__ import annotations
 
 import re
-from collections.abc import Sequence
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import cached_property
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from xla_permute.schedule import RingStep
-
-# Reading the HLO of tensors built on a rank takes the runtime: its tracing state lives with
-# the backends; the names stay reachable here, beside the reader of the text.
-from xla_permute.backends.tracing import trace, tracing  # noqa: E402
+from xla_permute.backends.tracing import enter_tracing, leave_tracing
 
 __all__ = [
     "COLLECTIVE_KINDS",
-    "ByteAccount",
     "Collective",
     "Instruction",
     "Program",
-    "account_bytes",
     "bytes_sent_per_rank",
-    "chain_report",
+    "discard_traced_collectives",
     "parse",
-    "permute_steps",
     "shape_bytes",
     "trace",
     "tracing",
@@ -244,152 +236,53 @@ def parse(text: str) -> Program:
     return program
 
 
-# ---------------------------------------------------------------- ring accounting
+# ---------------------------------------------------------------- the program of a rank
 
 
-def _program(hlo: str | Program) -> Program:
-    return parse(hlo) if isinstance(hlo, str) else hlo
+def discard_traced_collectives() -> None:
+    """Forget the collectives traced on this rank so far (their tensors must be discarded).
 
-
-def permute_steps(
-    hlo: str | Program,
-    n: int,
-    schedule: Sequence[RingStep],
-    *,
-    order: Sequence[int] | None = None,
-    name: str = "program",
-) -> list[list[str]]:
-    """The collective-permutes of a ring program, grouped by the steps of ``schedule``.
-
-    ``schedule``: one :class:`~xla_permute.schedule.RingStep` per step (e.g.
-    ``all_gather_schedule(n, 0, bidirectional)``); step ``t`` issues one permute in each
-    direction of its ``sends`` (``+1``: to the next rank of ``order``, default ``0..n-1``).
-    A permute's direction is read from its pairs; within a direction the permutes form a chain
-    through their data (each sends what the previous one delivered, or a sum that includes
-    it), which gives their order. The text order of the HLO is not used: without torch_xla's
-    token it need not be the issue order. Raises ValueError (naming ``name``) if the permutes
-    are not ring shifts or do not match the schedule.
+    torch_xla threads a token through every collective, so a program traced after another
+    would contain the first one's collectives too. This resets the token, as
+    ``xm.set_replication`` does, so that the next traced program stands alone.
     """
-    prog = _program(hlo)
-    ring = list(range(n)) if order is None else list(order)
-    if sorted(ring) != list(range(n)):
-        raise ValueError(f"order must be a permutation of 0..{n - 1}, got {order!r}")
-    shifts = {d: {(ring[i], ring[(i + d) % n]) for i in range(n)} for d in (1, -1)}
-    by_direction: dict[int, list[str]] = {1: [], -1: []}
-    for c in prog.collectives():
-        if c.kind != "collective-permute":
-            continue
-        direction = next((d for d in (1, -1) if set(c.pairs or ()) == shifts[d]), None)
-        if direction is None:
-            raise ValueError(f"{name}: {c.name} is not a ring shift: {c.pairs}")
-        by_direction[direction].append(c.name)
-    for group in by_direction.values():
-        group.sort(key=lambda op, g=group: sum(prog.depends_on(op, o) for o in g))
-    wanted = {d: sum(d in s.sends for s in schedule) for d in (1, -1)}
-    found = {d: len(g) for d, g in by_direction.items()}
-    if found != wanted:
-        raise ValueError(
-            f"{name}: permutes per direction {found} do not match the schedule "
-            f"({wanted} on {n} ranks)"
-        )
-    taken = {1: 0, -1: 0}
-    out = []
-    for step in schedule:
-        names = []
-        for d in step.sends:
-            names.append(by_direction[d][taken[d]])
-            taken[d] += 1
-        out.append(names)
-    return out
+    import torch_xla
+    import torch_xla.core.xla_model as xm
+
+    torch_xla._XLAC._set_all_reduce_token(xm._get_device_context().device, None)
 
 
-@dataclass(frozen=True)
-class ByteAccount:
-    """Bytes one rank sends in one program (from its traced HLO).
+def trace(tensors: object) -> str:
+    """HLO text of the program that would compute ``tensors`` (a tensor or a list), never run.
 
-    ``per_collective``: ``(kind, bytes)`` in program order; ``per_step``: bytes per ring step
-    (a ring program: the permutes of each schedule step; blocking collectives: the N-1 steps
-    of their ring algorithms, equal shares); ``gathered_bytes``: the all-gathers' results
-    (blocking collectives only; None without an all-gather).
+    Call it on a rank of the mesh with tensors built from XLA-device inputs; then discard
+    them (do not ``torch_xla.sync()`` with them alive). The program stands alone: the
+    collectives traced so far are forgotten afterwards (:func:`discard_traced_collectives`),
+    so the next traced program does not contain them. This is how the *native* backend's
+    program, which cannot run on the CPU mesh, is read there.
     """
+    import torch
+    import torch_xla
 
-    per_collective: tuple[tuple[str, int], ...]
-    per_step: tuple[int, ...]
-    total: int
-    gathered_bytes: int | None = None
+    outputs = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # type: ignore[call-overload]
+    text = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
+    discard_traced_collectives()
+    return text
 
 
-def account_bytes(
-    hlo: str | Program,
-    n: int,
-    schedule: Sequence[RingStep] | None = None,
-    *,
-    order: Sequence[int] | None = None,
-    name: str = "program",
-) -> ByteAccount:
-    """Bytes each rank sends in a program on ``n`` ranks, read from its HLO.
+@contextmanager
+def tracing() -> Iterator[None]:
+    """Trace collectives that cannot run here, to read their HLO with :func:`trace`.
 
-    With a ``schedule``, the program is a ring of collective-permutes that follows it (see
-    :func:`permute_steps`); without, it is blocking collectives (a baseline), counted with
-    :func:`bytes_sent_per_rank` (ring algorithms assumed). A ring all-gather of a ``[2, 4]``
-    float32 shard on 4 ranks sends 3 shards:
-
-    >>> text = '''
-    ... ENTRY %e (p: f32[2,4]) -> f32[8,4] {
-    ...   %p = f32[2,4]{1,0} parameter(0)
-    ...   ROOT %ag = f32[8,4]{1,0} all-gather(f32[2,4]{1,0} %p), channel_id=1, dimensions={0}
-    ... }'''
-    >>> account_bytes(text, 4)
-    ByteAccount(per_collective=(('all-gather', 96),), per_step=(32, 32, 32), total=96,
-                gathered_bytes=128)
+    The native backend (``xm.collective_permute``) cannot run on the CPU mesh, so the ops of this
+    package refuse it there, except inside this block: the caller promises to trace the tensors
+    it builds (:func:`trace`) and discard them, never to run them. On leaving the block the
+    collectives traced in it are forgotten (:func:`discard_traced_collectives`).
     """
-    prog = _program(hlo)
-    collectives = prog.collectives()
-    per = tuple((c.kind, bytes_sent_per_rank(c, n)) for c in collectives)
-    total = sum(b for _, b in per)
-    if schedule is None:
-        if not collectives or "collective-permute" in {k for k, _ in per}:
-            raise ValueError(f"{name}: expected blocking collectives and no permute, got {per}")
-        gathers = [c.result_bytes for c in collectives if c.kind == "all-gather"]
-        steps = max(n - 1, 1)
-        return ByteAccount(per, (total // steps,) * steps, total, sum(gathers) if gathers else None)
-    if {k for k, _ in per} != {"collective-permute"}:
-        raise ValueError(f"{name}: expected only collective-permutes, got {per}")
-    sent = {c.name: bytes_sent_per_rank(c, n) for c in collectives}
-    grouped = permute_steps(prog, n, schedule, order=order, name=name)
-    return ByteAccount(per, tuple(sum(sent[p] for p in s) for s in grouped), total)
-
-
-def chain_report(
-    hlo: str | Program,
-    n: int,
-    schedule: Sequence[RingStep] | None = None,
-    *,
-    order: Sequence[int] | None = None,
-    name: str = "program",
-) -> dict[str, int]:
-    """How the permutes of a ring program (following ``schedule``) depend on each other.
-
-    ``permutes``; ``chained``: consecutive permutes in issue order where the later depends on
-    the earlier; ``same_step`` / ``same_step_chained``: pairs of permutes issued in the same
-    step (bidirectional: one each way; their data are independent) and how many of them
-    depend on each other anyway. torch_xla threads every collective through one numeric
-    token, so each waits for the previous one and the two directions of a bidirectional step
-    run one after the other; with ``DISABLE_NUMERIC_CC_TOKEN=1`` only data dependencies
-    remain. ``schedule=None`` (a program without a ring): all zeros.
-    """
-    if schedule is None:
-        return {"permutes": 0, "chained": 0, "same_step": 0, "same_step_chained": 0}
-    prog = _program(hlo)
-    steps = permute_steps(prog, n, schedule, order=order, name=name)
-    issued = [p for s in steps for p in s]
-    pairs = [s for s in steps if len(s) == 2]
-    return {
-        "permutes": len(issued),
-        "chained": sum(
-            prog.depends_on(b, a) for a, b in zip(issued[:-1], issued[1:], strict=True)
-        ),
-        "same_step": len(pairs),
-        "same_step_chained": sum(prog.depends_on(b, a) or prog.depends_on(a, b)
-                                 for a, b in pairs),
-    }  # fmt: skip
+    depth = enter_tracing()
+    try:
+        yield
+    finally:
+        leave_tracing(depth)
+        if depth == 0:
+            discard_traced_collectives()

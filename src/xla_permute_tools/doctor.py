@@ -1,16 +1,19 @@
 """``python -m xla_permute doctor``: the environment, the caveats that apply, and the self-test.
 
-The environment is read without starting the XLA runtime (:func:`xla_permute.hardware.detect`),
-SPMD mode included; the caveats are those of the detected device type, or of ``device_type``:
-one line each (severity, id, summary), or their whole text with ``details``. The self-test is
-the table of ``python -m xla_permute demo`` (:mod:`xla_permute_tools.selftest`): it always runs
-on an N-device CPU mesh, whatever accelerator this machine has.
+The environment is read without starting the XLA runtime
+(:func:`xla_permute_tools.environment.detect`), SPMD mode included; the caveats are those of
+the detected device type, or of ``device_type``: one line each (severity, id, summary), or
+their whole text with ``details``. The self-test is the table of ``python -m xla_permute demo``
+(:mod:`xla_permute_tools.selftest`): it always runs on an N-device CPU mesh, whatever
+accelerator this machine has.
 """
 
 from __future__ import annotations
 
-from xla_permute import hardware
+from xla_permute.hardware import device_type_name
 from xla_permute_tools import selftest
+from xla_permute_tools.catalog import caveats
+from xla_permute_tools.environment import detect
 
 __all__ = ["main"]
 
@@ -19,7 +22,7 @@ def main(
     n: int = 4, device_type: str | None = None, self_test: bool = True, details: bool = False
 ) -> int:
     """Print the report; return 0 when every self-test check passed (or none ran), else 1."""
-    env = hardware.detect()
+    env = detect()
     shown = device_type or env.device_type
     print("xla-permute doctor\n\n== environment (read without starting the XLA runtime)")
     print(env.format())
@@ -30,12 +33,12 @@ def main(
             "device. Caveats spmd-manual-collectives and spmd-roll-all-gather below."
         )
     try:
-        applicable = hardware.caveats(shown)
+        applicable = caveats(shown)
     except ValueError as e:  # a detected device type the caveats do not know
         print(f"\n== caveats: none ({e})")
         applicable = []
     else:
-        print(f"\n== caveats for {hardware.device_type_name(shown)} ({len(applicable)})")
+        print(f"\n== caveats for {device_type_name(shown)} ({len(applicable)})")
     for caveat in applicable:
         if details:
             print(caveat.format() + "\n")
@@ -44,7 +47,7 @@ def main(
     if applicable and not details:
         print(
             f"(each caveat's whole text: python -m xla_permute doctor --details, or "
-            f"xla_permute.hardware.caveats({hardware.device_type_name(shown)!r}))\n"
+            f"xla_permute_tools.catalog.caveats({device_type_name(shown)!r}))\n"
         )
     if not self_test:
         return 0

@@ -3,7 +3,7 @@
 Figure functions return a ``matplotlib.figure.Figure``; made with :func:`new_figure`, a
 notebook shows it as a PNG without pyplot. A script saves it with ``fig.savefig(path)``.
 Nothing here touches an XLA device. Per-rank tables (:func:`~xla_permute_tools.tables.rank_table`,
-in :mod:`xla_permute_tools.tables`) are reached from here too, as ``xp.figures.rank_table``.
+in :mod:`xla_permute_tools.tables`) are reached from here too, as ``figures.rank_table``.
 
 >>> fig = pairs_figure([(0, 1), (1, 0), (2, 2)], n=4)   # a swap and a fixed point
 >>> arrows = [p for p in fig.axes[0].patches if isinstance(p, FancyArrowPatch)]
@@ -17,13 +17,26 @@ from collections.abc import Sequence
 from io import BytesIO
 from typing import Any
 
-from matplotlib.backends.backend_agg import FigureCanvasAgg
-from matplotlib.figure import Figure
-from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
-from matplotlib.text import Text
+try:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
+    from matplotlib.text import Text
+except ModuleNotFoundError as e:  # the optional dependency: name the extra that installs it
+    if e.name != "matplotlib":
+        raise
+    raise ModuleNotFoundError(
+        "xla_permute_tools.figures needs matplotlib, which is not installed: "
+        "pip install 'xla-permute[figures]'",
+        name="matplotlib",
+    ) from e
 
+import xla_permute as xp
 from xla_permute.pairs import PairsLike, check_groups, global_pairs
-from xla_permute_tools.tables import (  # noqa: F401  (xp.figures.rank_table, .table, ...)
+from xla_permute.pipeline.schedule import units
+from xla_permute.sequence import layout_chunks
+from xla_permute_tools.cost.model import link_time, matmul_time, predict
+from xla_permute_tools.tables import (  # noqa: F401  (figures.rank_table, .table, ...)
     RankTable,
     Table,
     caveat_table,
@@ -202,15 +215,12 @@ def pipeline_schedule_figure(schedule, *, title: str | None = None) -> Figure:
     (``I``) red, weight gradient (``W``) green, darker for a rank's later stages; an
     overlapped tick (DualPipeV) is split, forward on top; blank is the bubble.
 
-    >>> from xla_permute.pipeline.orders import make_schedule
-    >>> fig = pipeline_schedule_figure(make_schedule("1f1b", 4, 8))
+    >>> fig = pipeline_schedule_figure(xp.make_schedule("1f1b", 4, 8))
     >>> texts = [t.get_text() for t in fig.axes[0].texts]
     >>> texts.count("7"), texts[-1]
     (8, 'idle 6, peak 1')
     """
     from matplotlib.patches import Rectangle
-
-    from xla_permute.pipeline.schedule import units
 
     p, ticks, v = schedule.ranks, schedule.ticks, schedule.stages_per_rank
     fig = new_figure(figsize=(min(MAX_WIDTH, 0.3 * ticks + 2.4), 0.42 * p + 1.5))
@@ -260,8 +270,8 @@ def pipeline_schedule_figure(schedule, *, title: str | None = None) -> Figure:
 def ring_schedule_figure(n: int, kind: str = "all_gather", bidirectional: bool = False) -> Figure:
     """Collective matmul's schedule: which block each rank multiplies at each step.
 
-    Drawn from :func:`xla_permute.schedule.all_gather_schedule` (``kind="all_gather"``: the x
-    block ``x_j`` of rank j) or :func:`~xla_permute.schedule.reduce_scatter_schedule`
+    Drawn from :func:`xla_permute.all_gather_schedule` (``kind="all_gather"``: the x
+    block ``x_j`` of rank j) or :func:`~xla_permute.reduce_scatter_schedule`
     (``kind="reduce_scatter"``: the contribution to output block ``y_j``), the schedules the
     code runs. Arrows under a cell show the permutes issued in that step (to rank r+1 / r-1).
 
@@ -271,11 +281,9 @@ def ring_schedule_figure(n: int, kind: str = "all_gather", bidirectional: bool =
     """
     from matplotlib import colormaps
 
-    from xla_permute.schedule import all_gather_schedule, reduce_scatter_schedule
-
     if kind not in ("all_gather", "reduce_scatter"):
         raise ValueError(f"kind must be 'all_gather' or 'reduce_scatter', got {kind!r}")
-    schedule = all_gather_schedule if kind == "all_gather" else reduce_scatter_schedule
+    schedule = xp.all_gather_schedule if kind == "all_gather" else xp.reduce_scatter_schedule
     letter = "x" if kind == "all_gather" else "y"
     steps = [schedule(n, r, bidirectional) for r in range(n)]
     colors = colormaps["tab10"]
@@ -320,7 +328,7 @@ def ring_schedule_figure(n: int, kind: str = "all_gather", bidirectional: bool =
         spine.set_visible(False)
     what = "all-gather-matmul" if kind == "all_gather" else "matmul-reduce-scatter"
     ax.set_title(
-        f"{what}, {'bi' if bidirectional else 'uni'}directional, N={n} (from xla_permute.schedule)",
+        f"{what}, {'bi' if bidirectional else 'uni'}directional, N={n} (from {schedule.__name__})",
         fontsize=10,
     )
     return fig
@@ -329,7 +337,7 @@ def ring_schedule_figure(n: int, kind: str = "all_gather", bidirectional: bool =
 def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
     """Ring attention's schedule: which (query chunk, key chunk) blocks each rank computes.
 
-    Drawn from :func:`xla_permute.schedule.ring_attention_schedule`, the schedule the code
+    Drawn from :func:`xla_permute.ring_attention_schedule`, the schedule the code
     runs: one panel per layout (contiguous, zigzag), a row per rank, a column per hop. In a
     cell, rows are the rank's query chunks and columns the key chunks it holds at that hop:
     filled = computed in full, lower triangle = the diagonal block (causal mask inside),
@@ -341,17 +349,14 @@ def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
     """
     from matplotlib.patches import Polygon, Rectangle
 
-    from xla_permute.schedule import ring_attention_schedule, schedule_work
-    from xla_permute.sequence import layout_chunks
-
     fig = new_figure(figsize=(MAX_WIDTH, 2 * (0.7 * n + 1.0)))
     for p, layout in enumerate(("contiguous", "zigzag")):
         ax = fig.add_subplot(2, 1, p + 1)  # stacked: wide cells, legible labels
         busiest = 0.0
         total = 0.0
         for r in range(n):
-            schedule = ring_attention_schedule(n, r, causal=causal, layout=layout)
-            work = schedule_work(schedule)
+            schedule = xp.ring_attention_schedule(n, r, causal=causal, layout=layout)
+            work = xp.schedule_work(schedule)
             total += sum(work)
             own = layout_chunks(n, r, layout)
             for hop, w in zip(schedule, work, strict=True):
@@ -394,7 +399,7 @@ def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
                 ax.text(hop.hop + 0.45, r, f"{w:g}", ha="right", va="center", fontsize=MIN_FONT)
         for t in range(n):
             busiest += max(
-                schedule_work(ring_attention_schedule(n, r, causal=causal, layout=layout))[t]
+                xp.schedule_work(xp.ring_attention_schedule(n, r, causal=causal, layout=layout))[t]
                 for r in range(n)
             )
         ax.set_xlim(-0.5, n - 0.5)
@@ -415,23 +420,20 @@ def ring_attention_figure(n: int, *, causal: bool = True) -> Figure:
 def overlap_timeline_figure(chip: Any, work: Any) -> Figure:
     """One rank's timeline of a unidirectional all-gather-matmul next to the baseline's.
 
-    Drawn from :func:`xla_permute.schedule.all_gather_schedule` (which block rank 0 multiplies
+    Drawn from :func:`xla_permute.all_gather_schedule` (which block rank 0 multiplies
     and sends at each step) and the cost model's terms for ``work`` on ``chip``
-    (:mod:`xla_permute.cost`): each step's matmul and the transfer of its block run at once,
+    (:mod:`xla_permute_tools.cost`): each step's matmul and the transfer of its block run at once,
     and the next step starts when the longer of the two and the hop's latency and overhead
     are over; the baseline's all-gather runs first and its one matmul waits for it. The two
-    totals are :func:`~xla_permute.cost.predict`'s, checked here.
+    totals are :func:`~xla_permute_tools.cost.predict`'s, checked here.
 
-    >>> from xla_permute import cost
+    >>> from xla_permute_tools import cost
     >>> w = cost.Workload(m=2048, k=8192, n=2048, n_devices=4)
     >>> fig = overlap_timeline_figure(cost.CHIPS["tpu-v5e"], w)
     >>> [t.get_text() for t in fig.axes[0].get_yticklabels()][:2]
     ['ring: link', 'ring: matmul']
     """
     import math
-
-    from xla_permute.cost.model import link_time, matmul_time, predict
-    from xla_permute.schedule import all_gather_schedule
 
     if work.op != "all_gather_matmul" or work.chunks != 1:
         raise ValueError("overlap_timeline_figure draws an unchunked all_gather_matmul only")
@@ -460,7 +462,7 @@ def overlap_timeline_figure(chip: Any, work: Any) -> Figure:
             )
 
     t = 0.0
-    for s in all_gather_schedule(n, rank=0):
+    for s in xp.all_gather_schedule(n, rank=0):
         bar("ring: matmul", t, step, "matmul", f"x{s.blocks[0]} @ w")
         if s.sends:
             bar("ring: link", t, send, "link", f"x{s.blocks[0]} to rank 1")

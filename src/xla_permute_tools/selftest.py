@@ -272,8 +272,7 @@ def _attention_data(n: int) -> tuple[torch.Tensor, ...]:
 
 
 def _attention() -> tuple[torch.Tensor, ...]:
-    from xla_permute.attention import ring_attention
-    from xla_permute.sequence import shard_sequence
+    from xla_permute import ring_attention, shard_sequence
 
     r, n, device = _rank()
     q, k, v, dout = (
@@ -290,7 +289,7 @@ def _attention() -> tuple[torch.Tensor, ...]:
 def _verify_attention(results: list[tuple[torch.Tensor, ...]]) -> None:
     from torch.nn.functional import scaled_dot_product_attention
 
-    from xla_permute.sequence import unshard_sequence
+    from xla_permute import unshard_sequence
 
     q, k, v, dout = (t.double().requires_grad_() for t in _attention_data(len(results)))
     want = scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -356,7 +355,7 @@ def _run_on_rank(names: list[str]) -> dict[str, tuple[bool, Any, float]]:
 
 def run_checks(n: int = 4, names: Sequence[str] | None = None) -> list[Row]:
     """Run the named checks (default: all) in one launch of an ``n``-device CPU mesh."""
-    from xla_permute.mesh.launch import run_on_mesh
+    from xla_permute import run_on_mesh
 
     checks = [c for c in CHECKS if names is None or c.name in names]
     per_rank = run_on_mesh(_run_on_rank, [c.name for c in checks], n=n)
@@ -390,7 +389,7 @@ def format_table(rows: Sequence[Row]) -> str:
 
 def main(n: int = 4) -> int:
     """Print the table of one ``n``-device launch; return 0 when every check passed, else 1."""
-    from xla_permute.mesh.launch import MeshError
+    from xla_permute import MeshError
 
     print(
         f"self-test: {n}-device CPU mesh (PJRT_DEVICE=CPU), one launch, vs the reference "

@@ -3,7 +3,7 @@
 :func:`rank_table` turns what each rank returned (tensors, labels) into a
 :class:`RankTable`, which a notebook shows as an HTML table and ``print`` as aligned text;
 :func:`table` makes any other table of rows (chips, schedules, programs), which a notebook
-shows as a Markdown table. Reached as ``xp.figures.rank_table`` and ``xp.figures.table``.
+shows as a Markdown table. Reached as ``figures.rank_table`` and ``figures.table`` too.
 No torch or matplotlib import: tensors are recognised by their ``shape`` and ``tolist``.
 """
 
@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from xla_permute.hardware.caveat import Caveat
+    from xla_permute_tools.caveat import Caveat
 
 __all__ = ["RankTable", "Table", "caveat_table", "describe", "rank_table", "table"]
 
@@ -166,10 +166,10 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], align: str = ""
 
 
 def caveat_table(caveat: Caveat) -> Table:
-    """One hardware caveat (:class:`xla_permute.hardware.Caveat`) as a two-column table: its
-    id and severity over its rows (:meth:`~xla_permute.hardware.Caveat.rows`).
+    """One hardware caveat (:class:`xla_permute_tools.caveat.Caveat`) as a two-column table: its
+    id and severity over its rows (:meth:`~xla_permute_tools.caveat.Caveat.rows`).
 
-    >>> from xla_permute.hardware import caveats
+    >>> from xla_permute_tools.catalog import caveats
     >>> cpu = {c.id: c for c in caveats("CPU")}
     >>> str(caveat_table(cpu["cpu-channel-ids"])).split()[:2]
     ['`cpu-channel-ids`', 'error']

@@ -16,21 +16,21 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
-from xla_permute.cost.chips import (
+from xla_permute_tools.cost.chips import (
     CHIPS,
     JAX_MGPU_COLLECTIVE_MATMUL,
     SCALING_BOOK_JAX,
     SCALING_BOOK_SHARDING,
     Chip,
 )
-from xla_permute.cost.model import (
+from xla_permute_tools.cost.model import (
     Workload,
     baseline_time,
     collective_matmul_time,
     matmul_time,
     ring_collective_time,
 )
-from xla_permute.cost.pipeline import predict_pipeline
+from xla_permute_tools.cost.pipeline import predict_pipeline
 
 __all__ = [
     "TORCHTITAN_405B",

@@ -1,56 +1,22 @@
-"""Tracing collectives that cannot run here: the runtime's per-rank tracing state.
+"""Whether this rank is tracing collectives that cannot run here (the state the backends read).
 
 The native backend (``xm.collective_permute``) cannot run on the CPU mesh; inside
-:func:`tracing` the ops build it anyway, for its HLO (:func:`xla_permute.hlo.trace`), and the
-XLA backend and the agreement checks ask :func:`is_tracing` whether to refuse or skip.
+:func:`xla_permute.hlo.tracing` the ops build it anyway, for its HLO, and the XLA backend and
+the agreement checks ask :func:`is_tracing` whether to refuse or skip. :func:`enter_tracing`
+and :func:`leave_tracing` are that block's two ends.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
-from contextlib import contextmanager
 
-__all__ = ["discard_traced_collectives", "is_tracing", "tracing"]
-
-
-def discard_traced_collectives() -> None:
-    """Forget the collectives traced on this rank so far (their tensors must be discarded).
-
-    torch_xla threads a token through every collective, so a program traced after another
-    would contain the first one's collectives too. This resets the token, as
-    ``xm.set_replication`` does, so that the next traced program stands alone.
-    """
-    import torch_xla
-    import torch_xla.core.xla_model as xm
-
-    torch_xla._XLAC._set_all_reduce_token(xm._get_device_context().device, None)
-
-
-def trace(tensors: object) -> str:
-    """HLO text of the program that would compute ``tensors`` (a tensor or a list), never run.
-
-    Call it on a rank of the mesh with tensors built from XLA-device inputs; then discard
-    them (do not ``torch_xla.sync()`` with them alive). The program stands alone: the collectives
-    traced so far are forgotten afterwards
-    (:func:`~xla_permute.backends.tracing.discard_traced_collectives`), so the next
-    traced program does not contain them. This is how the *native* backend's program, which
-    cannot run on the CPU mesh, is read there.
-    """
-    import torch
-    import torch_xla
-
-    outputs = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # type: ignore[call-overload]
-    text = torch_xla._XLAC._get_xla_tensors_hlo(outputs)
-    discard_traced_collectives()
-    return text
-
+__all__ = ["enter_tracing", "is_tracing", "leave_tracing"]
 
 # Per rank, keyed by its device (as xla_permute.backends.channels): the ranks of the CPU mesh
-# are threads
-# of one process, and autograd runs a rank's backward on another thread of the same device.
-_tracing: dict[str, int] = {}
-_tracing_lock = threading.Lock()
+# are threads of one process, and autograd runs a rank's backward on another thread of the
+# same device.
+_depth: dict[str, int] = {}
+_lock = threading.Lock()
 
 
 def _rank_device() -> str:
@@ -59,30 +25,24 @@ def _rank_device() -> str:
     return str(torch_xla.device())
 
 
-@contextmanager
-def tracing() -> Iterator[None]:
-    """Trace collectives that cannot run here, to read their HLO with :func:`trace`.
-
-    The native backend (``xm.collective_permute``) cannot run on the CPU mesh, so the ops of this
-    package refuse it there, except inside this block: the caller promises to trace the tensors
-    it builds (:func:`trace`) and discard them, never to run them. On leaving the block the
-    collectives traced in it are forgotten
-    (:func:`~xla_permute.backends.tracing.discard_traced_collectives`).
-    """
+def enter_tracing() -> int:
+    """Start tracing on this rank; returns the depth to give :func:`leave_tracing`."""
     device = _rank_device()
-    with _tracing_lock:
-        depth = _tracing.get(device, 0)
-        _tracing[device] = depth + 1
-    try:
-        yield
-    finally:
-        with _tracing_lock:
-            _tracing[device] = depth
-        if depth == 0:
-            discard_traced_collectives()
+    with _lock:
+        depth = _depth.get(device, 0)
+        _depth[device] = depth + 1
+    return depth
+
+
+def leave_tracing(depth: int) -> None:
+    """End the tracing block :func:`enter_tracing` started (``depth``: what it returned)."""
+    device = _rank_device()
+    with _lock:
+        _depth[device] = depth
 
 
 def is_tracing() -> bool:
-    """True inside :func:`tracing` on this rank (also in its backward, on autograd's thread)."""
-    with _tracing_lock:
-        return _tracing.get(_rank_device(), 0) > 0
+    """True inside :func:`xla_permute.hlo.tracing` on this rank (also in its backward, on
+    autograd's thread)."""
+    with _lock:
+        return _depth.get(_rank_device(), 0) > 0

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 import torch
 
 from xla_permute.backends.base import CommBackend, Handle, Ready
-from xla_permute.hardware.rules import check_not_spmd
+from xla_permute.hardware import check_device_pairs, check_not_spmd
 from xla_permute.pairs import Groups, Pairs, source_of
 
 __all__ = [
@@ -190,8 +190,6 @@ class _Native(_Xla):
     name = "native"
 
     def check_pairs(self, pairs: Pairs, dtype: torch.dtype) -> None:
-        from xla_permute.hardware.rules import check_device_pairs
-
         device_type = self.device_type
         check_device_pairs(device_type, pairs, self.world_size(), dtype=dtype)
         check_native_runs_here(device_type)

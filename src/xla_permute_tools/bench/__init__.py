@@ -32,7 +32,7 @@ Every figure names the backend that produced it:
   after the other.
 * **bytes sent** (``native`` HLO): what each rank sends, from rank 0's traced HLO (the
   collectives, their pairs and shapes, are the same on every rank) with
-  :func:`~xla_permute.hlo.account_bytes` (ring algorithms assumed for all-gather and
+  :func:`~xla_permute_tools.accounting.account_bytes` (ring algorithms assumed for all-gather and
   reduce-scatter), per collective, per schedule step and in total; and matmul-reduce-scatter
   on bfloat16 inputs with ``reduce_dtype`` None (float32 partial sums) and bfloat16, checked
   against :func:`~xla_permute.reference.accumulation_dtype` and the cost model's charge.
@@ -53,7 +53,8 @@ The modules, one job each: ``programs`` (the programs, their sizes, building one
 rank), ``measure`` (the rank functions that time and compile them and read XLA's memory
 reports), ``run`` (the launches, :func:`run_bench`), ``report`` (ratios, checks,
 :func:`format_report`) and ``cli`` (the command line). Bytes and permute chains are read with
-:func:`xla_permute.hlo.account_bytes` and :func:`xla_permute.hlo.chain_report`.
+:func:`xla_permute_tools.accounting.account_bytes` and
+:func:`~xla_permute_tools.accounting.chain_report`.
 
 >>> config = PRESETS["tiny"]
 >>> config.n, [p.name for p in PROGRAMS][:3]

@@ -107,7 +107,7 @@ def run_aliasing_bench(n: int = 4, cfg: dict[str, int] | None = None) -> dict[st
     import torch
     from torch import nn
 
-    from xla_permute.mesh.launch import MeshError, run_on_mesh
+    from xla_permute import MeshError, run_on_mesh
 
     cfg = {**DEFAULT, **(cfg or {})}
     g = torch.Generator().manual_seed(0)

@@ -26,8 +26,8 @@ import threading
 from pathlib import Path
 from typing import Any
 
+from xla_permute import run_on_mesh
 from xla_permute.debug import ENV as DEBUG_ENV
-from xla_permute.mesh.launch import run_on_mesh
 from xla_permute_tools.bench.measure import read_memory_report
 from xla_permute_tools.bench.run import NO_GUARD
 

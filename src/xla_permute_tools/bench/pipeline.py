@@ -2,7 +2,7 @@
 
 Real processes (``torchrun --standalone``, gloo, CPU tensors, one thread per process), the
 ``c10d`` backend: :func:`xla_permute.pipeline_step` of every schedule of
-:data:`~xla_permute.pipeline.orders.SCHEDULES` on one model, in one launch, in turn (round
+:data:`~xla_permute.SCHEDULES` on one model, in one launch, in turn (round
 ``i`` runs every schedule once, the order rotated each round; round 0 warms up). The model:
 ``layers`` layers ``tanh(x @ w)`` of ``dim`` (seeded, the same on every process), split over
 ``n`` ranks in ``2 n`` stages (two per rank; GPipe, 1F1B and ZB-H1 hold both of a rank's stages
@@ -32,7 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from xla_permute.pipeline.orders import SCHEDULES
+from xla_permute import SCHEDULES
 
 __all__ = [
     "PIPELINE_PRESETS",

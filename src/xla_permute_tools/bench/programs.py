@@ -19,7 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from xla_permute import schedule as _schedule
+import xla_permute as xp
 from xla_permute.pairs import check_int
 
 __all__ = [
@@ -40,8 +40,8 @@ BASELINES = {
 }
 #: The ring schedule of each op (rank 0's: the permutes are the same on every rank).
 SCHEDULES = {
-    "all_gather_matmul": _schedule.all_gather_schedule,
-    "matmul_reduce_scatter": _schedule.reduce_scatter_schedule,
+    "all_gather_matmul": xp.all_gather_schedule,
+    "matmul_reduce_scatter": xp.reduce_scatter_schedule,
 }
 METHODS = ("uni", "bi", "baseline")
 #: x a program input (resident for the whole program) or computed inside it.
@@ -91,7 +91,7 @@ class BenchProgram:
         """The :mod:`xla_permute.matmul` function that builds it."""
         return BASELINES[self.op] if self.method == "baseline" else self.op
 
-    def schedule(self, n: int) -> list[_schedule.RingStep] | None:
+    def schedule(self, n: int) -> list[xp.RingStep] | None:
         """The ring schedule its permutes follow on ``n`` ranks; None for the baseline."""
         if self.method == "baseline":
             return None

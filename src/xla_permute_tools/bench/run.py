@@ -2,7 +2,8 @@
 
 :func:`run_bench` starts the launches described in :mod:`xla_permute_tools.bench` and returns
 plain data (JSON-ready); byte and permute-chain figures are read from the traced native HLO
-with :func:`xla_permute.hlo.account_bytes` and :func:`xla_permute.hlo.chain_report`.
+with :func:`xla_permute_tools.accounting.account_bytes` and
+:func:`xla_permute_tools.accounting.chain_report`.
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 from typing import Any
 
-from xla_permute import hlo
 from xla_permute.debug import ENV as DEBUG_ENV
+from xla_permute_tools import accounting, cost
 from xla_permute_tools.bench.measure import (
     REDUCE_DTYPES,
     TOKEN_ENV,
@@ -75,14 +76,14 @@ def _environment() -> dict[str, Any]:
     }
 
 
-def account(program: BenchProgram, text: str, n: int) -> hlo.ByteAccount:
+def account(program: BenchProgram, text: str, n: int) -> accounting.ByteAccount:
     """Bytes each rank sends in ``program`` on ``n`` ranks, from its traced native HLO."""
-    return hlo.account_bytes(text, n, program.schedule(n), name=program.name)
+    return accounting.account_bytes(text, n, program.schedule(n), name=program.name)
 
 
 def chain(program: BenchProgram, text: str, n: int) -> dict[str, int]:
     """How the permutes of ``program``'s traced native HLO depend on each other."""
-    return hlo.chain_report(text, n, program.schedule(n), name=program.name)
+    return accounting.chain_report(text, n, program.schedule(n), name=program.name)
 
 
 def run_bench(
@@ -108,7 +109,7 @@ def run_bench(
     baseline's). ``variant`` is "token" (torch_xla's default) or "no_token"
     (``DISABLE_NUMERIC_CC_TOKEN=1``).
     """
-    from xla_permute.mesh.launch import run_on_mesh
+    from xla_permute import run_on_mesh
 
     say = progress or (lambda _: None)
     cfg = asdict(config)
@@ -291,12 +292,11 @@ def reduce_dtype_bytes(
 
     ``sent``: from the traced native HLO (:func:`account`); ``expected``: ``N-1`` partial-sum
     blocks of ``m f`` elements of :func:`xla_permute.reference.accumulation_dtype`'s dtype;
-    ``model``: what the cost model charges (:attr:`xla_permute.cost.Workload.block_bytes`,
+    ``model``: what the cost model charges (:attr:`xla_permute_tools.cost.Workload.block_bytes`,
     from the same rule). The three must agree.
     """
     import torch
 
-    from xla_permute import cost
     from xla_permute.reference import accumulation_dtype
 
     out = []

@@ -1,14 +1,14 @@
 """The hardware caveats as data: what each backend does to a collective, what this package does.
 
-Each :class:`~xla_permute.hardware.caveat.Caveat` has what goes wrong, the upstream sources,
+Each :class:`~xla_permute_tools.caveat.Caveat` has what goes wrong, the upstream sources,
 what this package does about it, and what this project checked itself (``evidence``); facts it
 could not confirm in a public source say so there instead of citing one.
-:func:`xla_permute.hardware.caveats` lists them per device type.
+:func:`xla_permute_tools.catalog.caveats` lists them per device type.
 """
 
 from __future__ import annotations
 
-from xla_permute.hardware.caveat import Caveat
+from xla_permute_tools.caveat import Caveat
 
 __all__ = ["CAVEATS"]
 
@@ -16,7 +16,7 @@ _PT_XLA = "https://github.com/pytorch/xla"
 _MAXTEXT = "https://github.com/AI-Hypercomputer/maxtext/blob/main"
 _NEURON_DOCS = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest"
 
-#: Every caveat, in the order :func:`~xla_permute.hardware.caveats` lists them.
+#: Every caveat, in the order :func:`~xla_permute_tools.catalog.caveats` lists them.
 CAVEATS: tuple[Caveat, ...] = (
     Caveat(
         id="tpu-collective-matmul-flag",

@@ -1,8 +1,7 @@
 """What applies here: the device type, count and versions (:func:`detect`), and what the
 installed ``torch_xla`` collectives accept (:func:`collective_signatures`).
 
-Neither starts the XLA runtime, so :func:`~xla_permute.mesh.launch.run_on_mesh` still works after
-them.
+Neither starts the XLA runtime, so :func:`~xla_permute.run_on_mesh` still works after them.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from xla_permute.hardware.rules import device_type_name, spmd_mode
+from xla_permute.hardware import device_type_name, spmd_mode
 
 __all__ = ["CollectiveSignature", "Environment", "collective_signatures", "detect"]
 
@@ -116,7 +115,7 @@ def _tpu_generation(tpu: Any, chips: int) -> str | None:
 def detect() -> Environment:
     """Detect the device type, device count, versions and TPU generation, safely.
 
-    Never starts the XLA runtime, so :func:`~xla_permute.mesh.launch.run_on_mesh` still works
+    Never starts the XLA runtime, so :func:`~xla_permute.run_on_mesh` still works
     afterwards. It imports ``torch_xla`` (which does not start the runtime, but, like any
     import of torch_xla, sets ``PJRT_DEVICE`` by torch_xla's default rule when unset: TPU if
     libtpu and a TPU chip are found, NEURON if libneuronxla is, else CPU) and reads the

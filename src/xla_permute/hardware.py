@@ -1,21 +1,21 @@
-"""The hardware rules the ops apply: which permutes a device type runs as XLA's semantics say.
+"""The hardware rules the ops enforce: which permutes a device type runs as XLA's semantics say.
 
-This is the part of :mod:`xla_permute.hardware` that the ops import
-(:func:`~xla_permute.permute.collective_permute` calls :func:`check_device_pairs` on its native
-backend; :func:`~xla_permute.pipeline.shift.stage_shift` asks :func:`requires_complete_rings`). It
-depends on :mod:`xla_permute.pairs` only and never imports ``torch_xla``.
-
-Which checks raise and which warn:
+:func:`~xla_permute.permute.collective_permute` calls :func:`check_device_pairs` on its native
+backend; :func:`~xla_permute.pipeline.shift.stage_shift` asks :func:`requires_complete_rings`;
+the XLA backends call :func:`check_not_spmd` whenever an op looks up its place. It depends on
+:mod:`xla_permute.pairs` only and never imports ``torch_xla``.
 
 * :class:`ValueError` (the permute cannot run, the message has the fix): on Neuron, pairs that
-  do not form complete rings (an open chain such as a pipeline's ``0 -> 1 -> 2``).
+  do not form complete rings (an open chain such as a pipeline's ``0 -> 1 -> 2``); any
+  collective of this package in torch_xla's SPMD mode (:func:`check_not_spmd`).
 * :class:`HardwareWarning` (it runs, but may not mean what XLA says): on Neuron, ranks that
   are in no pair (XLA gives them zeros; Neuron leaves them inactive) and 64-bit dtypes.
 
 A device type without rules here (CPU, TPU, or a PJRT plugin this package does not know) runs
-any partial permutation. The caveats behind each rule are in :func:`xla_permute.hardware.caveats`.
+any partial permutation. The caveats behind each rule, with their sources, are the workshop's
+catalog (``python -m xla_permute doctor --details``).
 
->>> requires_complete_rings("NEURON"), requires_complete_rings("TPU")
+>>> requires_complete_rings("neuron"), requires_complete_rings("TPU")
 (True, False)
 >>> check_device_pairs("TPU", [(0, 1), (1, 2)], 4)      # an open chain: fine on TPU
 >>> check_device_pairs("NEURON", [(0, 1), (1, 0), (2, 3), (3, 2)], 4)   # two rings: fine
@@ -47,36 +47,19 @@ class HardwareWarning(UserWarning):
 
 def device_type_name(device_type: object) -> str:
     """The canonical name of a device type: ``"neuron"``, ``"NEURON_0"`` -> ``"NEURON"``.
-
-    Raises:
-        TypeError: ``device_type`` is not a string.
-        ValueError: it is blank.
-    """
+    TypeError if ``device_type`` is not a string, ValueError if it is blank."""
+    what = "such as 'CPU', 'TPU' or 'NEURON' (torch_xla.runtime.device_type())"
     if not isinstance(device_type, str):
-        raise TypeError(
-            f"device_type must be a device type name such as 'CPU', 'TPU' or 'NEURON' "
-            f"(torch_xla.runtime.device_type()), got {device_type!r}"
-        )
+        raise TypeError(f"device_type must be a device type name {what}, got {device_type!r}")
     name = device_type.strip().split("_")[0].upper()
     if not name:
-        raise ValueError(
-            f"device_type must name a device type such as 'CPU', 'TPU' or 'NEURON' "
-            f"(torch_xla.runtime.device_type()), got the blank string {device_type!r}"
-        )
+        raise ValueError(f"device_type must name a device type {what}, got {device_type!r}")
     return name
 
 
 def requires_complete_rings(device_type: str) -> bool:
-    """True when ``device_type`` runs only permutes whose pairs form closed rings (Neuron).
-
-    >>> requires_complete_rings("neuron"), requires_complete_rings("CPU")
-    (True, False)
-    """
+    """True when ``device_type`` runs only permutes whose pairs form closed rings (Neuron)."""
     return device_type_name(device_type) == "NEURON"
-
-
-def _world_size(world_size: object) -> int:
-    return check_int(world_size, "world_size", 1, fix="the number of ranks")
 
 
 _64_BIT = ("int64", "uint64", "float64", "complex128")
@@ -88,12 +71,10 @@ def check_device_pairs(
     """Refuse or warn about a permute that ``device_type`` cannot run as XLA's semantics say.
 
     ``pairs`` are global ``(source, target)`` rank pairs over ``world_size`` ranks (first
-    checked with :func:`xla_permute.pairs.check_pairs`); ``dtype`` is the tensor's dtype, if
-    known. Empty pairs issue no collective and are always fine.
+    checked with :func:`xla_permute.pairs.check_pairs`, whose errors it raises); ``dtype`` is
+    the tensor's dtype, if known. Empty pairs issue no collective and are always fine.
 
     Raises:
-        TypeError, ValueError: a bad ``device_type`` or ``world_size`` (not an int >= 1), or
-            invalid pairs (see :func:`xla_permute.pairs.check_pairs`).
         ValueError: on Neuron, pairs with an open chain; the message names the pair that
             closes each chain into a ring.
 
@@ -107,7 +88,7 @@ def check_device_pairs(
     ValueError: pairs [(0, 1), (1, 2)] form an open chain 0 -> 1 -> 2: NEURON runs only ...
     """
     dt = device_type_name(device_type)
-    n = _world_size(world_size)
+    n = check_int(world_size, "world_size", 1, fix="the number of ranks")
     checked = _pairs.check_pairs(pairs, n)
     if not checked or dt != "NEURON":
         return
@@ -143,41 +124,24 @@ def check_device_pairs(
         )
 
 
-#: torch_xla's switch for SPMD mode: ``xr.use_spmd()`` sets it, ``xr.is_spmd()`` reads it.
-SPMD_ENV = "XLA_USE_SPMD"
-
-
 def spmd_mode(environ: Mapping[str, str] | None = None) -> bool:
     """True when torch_xla runs in SPMD mode (``xr.use_spmd()``), read as ``xr.is_spmd()``
-    reads it (``XLA_USE_SPMD`` is ``1`` or ``true``), without importing torch_xla.
-
-    >>> spmd_mode({"XLA_USE_SPMD": "1"}), spmd_mode({})
-    (True, False)
-    """
+    reads it (``XLA_USE_SPMD`` is ``1`` or ``true``), without importing torch_xla."""
     env = os.environ if environ is None else environ
-    return env.get(SPMD_ENV, "").strip().lower() in ("1", "true")
+    return env.get("XLA_USE_SPMD", "").strip().lower() in ("1", "true")
 
 
 def check_not_spmd(
     op: str = "xla_permute's collectives", environ: Mapping[str, str] | None = None
 ) -> None:
-    """Refuse ``op`` (the collectives of this package) in torch_xla's SPMD mode.
-
-    The XLA backends ask it whenever an op looks up its place (world size, rank), so every op
-    is refused before it issues a collective.
+    """Refuse ``op`` (the collectives of this package) in torch_xla's SPMD mode: ValueError.
 
     In SPMD mode one program runs on every device and ``xr.world_size()`` is 1, so an op
     written for one program per device would see a single rank: its permutes would send to
     itself and its all-gathers gather one block, silently. Inside a manual-sharding region
     (torch_xla's experimental ``_shard_map``) ``xm.collective_permute`` aborts the process
-    (no channel id: a cross-replica permute with one replica) and ``xm.all_reduce`` is
-    dropped (its world-size-1 path). The hardware caveat ``spmd-manual-collectives`` has the
-    evidence.
+    and ``xm.all_reduce`` is dropped (caveat ``spmd-manual-collectives``).
 
-    Raises:
-        ValueError: in SPMD mode, naming ``op`` and the two ways that work.
-
-    >>> check_not_spmd("collective_permute", {})
     >>> check_not_spmd(environ={"XLA_USE_SPMD": "1"})
     Traceback (most recent call last):
     ...
@@ -187,11 +151,10 @@ def check_not_spmd(
         return
     raise ValueError(
         f"{op} cannot run in torch_xla's SPMD mode (xr.use_spmd()): there one program runs on "
-        f"every device and xr.world_size() is 1, so this package's collectives, written for "
-        f"one program per device, would see a single rank; inside a manual-sharding region "
-        f"(torch_xla's _shard_map) xm.collective_permute aborts the process and xm.all_reduce "
-        f"is silently dropped. Run them in the multi-process mode (one process or device "
-        f"thread per device: torch_xla.launch, xmp.spawn, xla_permute.run_on_mesh) without "
-        f"use_spmd(), or in SPMD mode leave the communication to the partitioner "
-        f"(xs.mark_sharding). See xla_permute.hardware.caveats(), id spmd-manual-collectives"
+        f"every device and xr.world_size() is 1, so this package's collectives would see a "
+        f"single rank (inside torch_xla's _shard_map xm.collective_permute aborts and "
+        f"xm.all_reduce is dropped). Run them without use_spmd(), one process or device "
+        f"thread per device (torch_xla.launch, xmp.spawn, xla_permute.run_on_mesh), or in "
+        f"SPMD mode leave the communication to the partitioner (xs.mark_sharding). See the "
+        f"hardware caveat spmd-manual-collectives (python -m xla_permute doctor --details)"
     )

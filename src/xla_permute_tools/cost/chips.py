@@ -1,9 +1,10 @@
 """Published figures of the modelled accelerators, each with its citation.
 
-A :class:`~xla_permute.cost.Chip` holds what the cost model (:mod:`xla_permute.cost.model`)
-needs of one chip: matmul rate, link bandwidth and topology, per-hop latency, per-op
-overhead, HBM bandwidth. Every figure has a ``sources`` entry; ``assumptions`` names those
-that are not published as such. ``CHIPS`` is the table, keyed by short names.
+A :class:`~xla_permute_tools.cost.Chip` holds what the cost model
+(:mod:`xla_permute_tools.cost.model`) needs of one chip: matmul rate, link bandwidth and
+topology, per-hop latency, per-op overhead, HBM bandwidth. Every figure has a ``sources``
+entry; ``assumptions`` names those that are not published as such. ``CHIPS`` is the table,
+keyed by short names.
 
 >>> CHIPS["tpu-v5e"].neighbor_bandwidth, CHIPS["h100"].switched
 (45000000000.0, True)

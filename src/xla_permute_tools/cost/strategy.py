@@ -1,15 +1,16 @@
-"""The layers' strategy policy: ring or baseline, by the cost model, for the detected chip.
+"""Ring or baseline, by the cost model, for the detected chip: an advice a user asks for.
 
-:func:`choose_strategy` is what ``strategy="auto"`` of the tensor-parallel layers
-(:mod:`xla_permute.tensor_parallel.layers`) asks; :func:`detected_chip` names this rank's
-accelerator as a key of ``CHIPS`` (TPU generations only; None elsewhere, where the layers keep
-the ring).
+:func:`choose_strategy` says which of collective matmul and its baseline the model predicts
+faster for a shape on a chip; :func:`detected_chip` names this rank's accelerator as a key of
+``CHIPS`` (TPU generations only; None elsewhere). A user passes the answer on (to a layer's
+``strategy``, say); no layer asks the model.
 """
 
 from __future__ import annotations
 
-from xla_permute.cost.chips import CHIPS
-from xla_permute.cost.model import Workload, predict
+from xla_permute_tools.cost.chips import CHIPS
+from xla_permute_tools.cost.model import Workload, predict
+from xla_permute_tools.environment import detect
 
 __all__ = ["choose_strategy", "detected_chip"]
 
@@ -28,8 +29,6 @@ def detected_chip() -> str | None:
 
     if xr.device_type() != "TPU":
         return None
-    from xla_permute.hardware.environment import detect
-
     generation = (detect().tpu_generation or "").lower()
     return _TPU_CHIPS.get(generation)
 
@@ -45,9 +44,9 @@ def choose_strategy(
     bidirectional: bool = False,
     chip: str | None = None,
 ) -> str:
-    """``"ring"`` or ``"baseline"``: the faster by :func:`~xla_permute.cost.predict` on ``chip``
-    (a key of ``CHIPS``); ``"ring"`` for an unmodelled chip or an empty shape. So the choice
-    is never predicted slower than the better of the two.
+    """``"ring"`` or ``"baseline"``: the faster by :func:`~xla_permute_tools.cost.predict` on
+    ``chip`` (a key of ``CHIPS``); ``"ring"`` for an unmodelled chip or an empty shape. So the
+    choice is never predicted slower than the better of the two.
 
     >>> choose_strategy("all_gather_matmul", m=8, k=8, n=8, n_devices=4)  # no chip: the ring
     'ring'

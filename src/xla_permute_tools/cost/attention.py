@@ -2,19 +2,19 @@
 
 Nothing here runs on a device. Per rank of ``N`` (sequence ``S``, ``s = S/N`` rows per rank,
 ``Hq`` query heads, ``Hkv`` K/V heads, head dim ``D``, batch ``B``, ``b`` bytes per element;
-``R``, ``H``, ``W``, ``L``, ``O`` as in :mod:`xla_permute.cost.model`):
+``R``, ``H``, ``W``, ``L``, ``O`` as in :mod:`xla_permute_tools.cost.model`):
 
 * A block of ``m`` query rows against ``n`` keys: ``F = 4 B Hq m n D`` FLOPs (two matmuls;
   a diagonal block under the causal mask counts half), time ``max(F / R, bytes / H)`` with
   ``bytes = B (2 Hq m + 2 Hkv n) D b`` (q, out, k, v).
 * Which blocks a rank computes at each hop is the code's own schedule
-  (:func:`xla_permute.schedule.ring_attention_schedule`); ``M_t`` is the time of the
+  (:func:`xla_permute.ring_attention_schedule`); ``M_t`` is the time of the
   *busiest* rank at hop t (every hop ends with a permute all ranks wait for).
 * **Ring** (forward): K and V travel one way, one permute per hop of ``V = 2 B Hkv s D b``
   bytes, ``C = V / W``; the permute of hop t overlaps the blocks of hop t:
   ``T_ring = sum_{t<N-1} (max(M_t, C) + L + O) + M_{N-1}``.
 * **All-gather** (the baseline): one ring all-gather of the K/V blocks (both directions
-  where the chip has them, :func:`~xla_permute.cost.ring_collective_time`), then the rank's
+  where the chip has them, :func:`~xla_permute_tools.cost.ring_collective_time`), then the rank's
   blocks with no synchronisation between them:
   ``T_ag = T_coll(V, N) + max_r sum_t (blocks of rank r)``. It holds all of K/V (``N V``
   bytes) where the ring holds two blocks.
@@ -42,11 +42,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from xla_permute.cost.chips import CHIPS, Chip
-from xla_permute.cost.model import Prediction, ring_collective_time
+import xla_permute as xp
 from xla_permute.pairs import check_int
-from xla_permute.schedule import ring_attention_schedule, schedule_work
-from xla_permute.sequence import check_layout
+from xla_permute.sequence import LAYOUTS
+from xla_permute_tools.cost.chips import CHIPS, Chip
+from xla_permute_tools.cost.model import Prediction, ring_collective_time
 
 __all__ = [
     "AttentionWorkload",
@@ -77,7 +77,8 @@ class AttentionWorkload:
         for name in ("seq_len", "n_devices", "batch", "q_heads", "kv_heads", "head_dim"):
             value = getattr(self, name)
             check_int(value, f"AttentionWorkload: {name}", 1)
-        check_layout(self.layout)
+        if self.layout not in LAYOUTS:
+            raise ValueError(f"layout must be one of {LAYOUTS}, got {self.layout!r}")
         chunks = self.n_devices * (2 if self.layout == "zigzag" else 1)
         if self.seq_len % chunks:
             raise ValueError(
@@ -111,7 +112,7 @@ def _work(w: AttentionWorkload) -> list[list[float]]:
     """``work[r][t]``: chunk-pairs rank r computes at hop t (the code's schedule)."""
     n = w.n_devices
     return [
-        schedule_work(ring_attention_schedule(n, r, causal=w.causal, layout=w.layout))
+        xp.schedule_work(xp.ring_attention_schedule(n, r, causal=w.causal, layout=w.layout))
         for r in range(n)
     ]
 

@@ -1,8 +1,11 @@
 """The catalog of hardware caveats: :func:`caveats` lists those that apply to a device type.
 
-The record (:class:`~xla_permute.hardware.caveat.Caveat`, its severities and markdown tables)
-is in :mod:`xla_permute.hardware.caveat` and re-exported here; the caveats themselves are data
-in :mod:`xla_permute.hardware.known_caveats`.
+The caveats users of ``torch_xla`` collectives hit are spread over issue threads; here they are
+data. Each :class:`~xla_permute_tools.caveat.Caveat` has what goes wrong, the upstream source,
+what the library does about it (the rules it enforces are :mod:`xla_permute.hardware`), and
+what this project checked itself; facts it could not confirm in a public source say so in
+``Caveat.evidence`` instead of citing one. The record is :mod:`xla_permute_tools.caveat`, the
+caveats :mod:`xla_permute_tools.known_caveats`.
 
 >>> sorted(c.id for c in caveats("CPU"))  # doctest: +NORMALIZE_WHITESPACE
 ['collective-token', 'compile-skew-rendezvous', 'cpu-channel-ids', 'cpu-thread-pool',
@@ -12,9 +15,9 @@ in :mod:`xla_permute.hardware.known_caveats`.
 
 from __future__ import annotations
 
-from xla_permute.hardware.caveat import SEVERITIES, Caveat, caveat_rows
-from xla_permute.hardware.known_caveats import CAVEATS
-from xla_permute.hardware.rules import device_type_name
+from xla_permute.hardware import device_type_name
+from xla_permute_tools.caveat import SEVERITIES, Caveat, caveat_rows
+from xla_permute_tools.known_caveats import CAVEATS
 
 __all__ = ["DEVICE_TYPES", "SEVERITIES", "Caveat", "caveat_rows", "caveats"]
 

@@ -1,7 +1,7 @@
 """One hardware caveat: the record, its severities, and how it prints (text, table rows).
 
-The caveats themselves are data in :mod:`xla_permute.hardware.known_caveats`;
-:func:`xla_permute.hardware.caveats` lists those that apply to a device type.
+The caveats themselves are data in :mod:`xla_permute_tools.known_caveats`;
+:func:`xla_permute_tools.catalog.caveats` lists those that apply to a device type.
 """
 
 from __future__ import annotations
@@ -58,9 +58,9 @@ class Caveat:
 
     def rows(self) -> list[tuple[str, str]]:
         """This caveat as ``(label, text)`` rows, its sources as Markdown links: a notebook
-        shows them with ``xp.figures.caveat_table(caveat)``.
+        shows them with ``figures.caveat_table(caveat)`` (:mod:`xla_permute_tools.figures`).
 
-        >>> from xla_permute.hardware.catalog import caveats
+        >>> from xla_permute_tools.catalog import caveats
         >>> cpu = {c.id: c for c in caveats("CPU")}
         >>> [label for label, _ in cpu["cpu-channel-ids"].rows()][:2]
         ['summary', 'what goes wrong']
@@ -91,9 +91,9 @@ def caveat_rows(
 ) -> tuple[list[str], list[list[str]]]:
     """The column names and one row per caveat of the given :class:`Caveat` fields (``id``
     as code, ``sources`` as Markdown links); a notebook shows them with
-    ``xp.figures.table(*caveat_rows(selected, columns))``.
+    ``figures.table(*caveat_rows(selected, columns))``.
 
-    >>> from xla_permute.hardware.catalog import caveats
+    >>> from xla_permute_tools.catalog import caveats
     >>> names, rows = caveat_rows(caveats("CUDA")[:1])
     >>> names[:2], rows[0][:2]
     (['severity', 'id'], ['silent', '`pin-layout`'])

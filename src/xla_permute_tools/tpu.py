@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import xla_permute as xp
+from xla_permute.hardware import HardwareWarning
 from xla_permute.pairs import check_int
 
 __all__ = [
@@ -207,12 +209,10 @@ def warn_recipe_incomplete(device_type: str, environ: Mapping[str, str] | None =
         if not problems or _WARNED:
             return
         _WARNED.append(True)
-    from xla_permute.hardware.rules import HardwareWarning
-
     warnings.warn(
         "strategy='xla' issues the collectives in the TPU compiler's collective-matmul form, "
         f"but the rewrite will not fire here: {'; '.join(problems)}. Set "
-        "xp.hardware.tpu_collective_matmul_setup().env in the environment that launches "
+        "xla_permute_tools.tpu.tpu_collective_matmul_setup().env in the environment that launches "
         "training (before torch_xla's first compile); until then 'xla' runs the baseline",
         HardwareWarning,
         stacklevel=4,
@@ -222,8 +222,6 @@ def warn_recipe_incomplete(device_type: str, environ: Mapping[str, str] | None =
 def _threshold(value: object) -> int | None:
     if value is None:
         return None
-    from xla_permute.pairs import check_int
-
     return check_int(value, "windowed_einsum_threshold_mib", 0)
 
 
@@ -271,9 +269,7 @@ _COUNTED = ("all-gather", "reduce-scatter", "all-reduce", "collective-permute", 
 
 
 def _counts(text: str) -> Counter[str]:
-    from xla_permute.hlo import parse
-
-    ops = Counter(i.opcode.removesuffix("-start") for i in parse(text).instructions.values())
+    ops = Counter(i.opcode.removesuffix("-start") for i in xp.hlo.parse(text).instructions.values())
     return Counter({k: ops[k] for k in _COUNTED})
 
 

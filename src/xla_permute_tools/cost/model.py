@@ -3,7 +3,7 @@
 Nothing here runs on a device: it is arithmetic on published chip figures, checked against
 published measurements by :func:`~xla_permute_tools.validation.validation_table`.
 
-**Shapes.** A :class:`~xla_permute.cost.Workload` is what one rank holds. For
+**Shapes.** A :class:`~xla_permute_tools.cost.Workload` is what one rank holds. For
 all-gather-matmul, x is an ``m x k`` shard (the gathered operand, gathered along rows) and w a
 local ``k x n`` block; the rank computes ``AllGather(x) @ w``, ``(N m) x n``. For
 matmul-reduce-scatter, x is ``(N m) x k`` (k is the sharded, contracted dimension), w is
@@ -22,7 +22,7 @@ links_per_neighbor`` (bytes/s, one way, towards one ring neighbour), ``L`` per-h
   one op: ``T_coll = ceil((N - 1) / d) * (S / W + L) + O``, with ``d = 2`` when the ring has a
   wraparound link and separate links to both neighbours (``ring_directions == 2``), else
   ``d = 1`` (a line without wraparound, or one switch egress shared by all peers). Whether an
-  axis of N devices wraps round is the chip's (:meth:`~xla_permute.cost.Chip.wraparound`:
+  axis of N devices wraps round is the chip's (:meth:`~xla_permute_tools.cost.Chip.wraparound`:
   on TPU v5e/v6e only a full axis of 16 does) unless the workload says.
 * Baseline: ``T_base = T_coll + T_mm(N m, k, n)`` (blocking gather then one matmul; for
   reduce-scatter, one matmul then the blocking scatter).
@@ -57,7 +57,7 @@ links_per_neighbor`` (bytes/s, one way, towards one ring neighbour), ``L`` per-h
   ``T_comm = sum C``; bidirectional halves ``T_comm`` (odd N exactly; ``N / (2 (N - 1))`` for
   even N). Collective matmul pays ``h L + O`` per round where the baseline pays ``O`` once
   and ``L`` per round of a ring that may run both ways; it also re-reads w in every step. On
-  small matrices these make it lose (:func:`~xla_permute.cost.crossover`).
+  small matrices these make it lose (:func:`~xla_permute_tools.cost.crossover`).
 
 Neglected: the accumulator additions of matmul-reduce-scatter, the loss of matmul efficiency
 on smaller blocks, and contention with other traffic.
@@ -75,8 +75,8 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
-from xla_permute.cost.chips import CHIPS, Chip
 from xla_permute.pairs import check_int
+from xla_permute_tools.cost.chips import CHIPS, Chip
 
 __all__ = [
     "Prediction",
@@ -109,7 +109,7 @@ class Workload:
     of matmul-reduce-scatter's partial sums (``reduce_dtype``); None: what the code sends by
     default (:attr:`partial_sum_bytes`). ``wraparound``: the ring's axis has a wraparound
     link (ignored on switched chips); None: the chip's rule for ``n_devices``
-    (:meth:`~xla_permute.cost.Chip.wraparound`). ``chunks``: all-gather-matmul's ``chunks``
+    (:meth:`~xla_permute_tools.cost.Chip.wraparound`). ``chunks``: all-gather-matmul's ``chunks``
     option, each block sent in that many chunks (1 for matmul-reduce-scatter).
     """
 
@@ -236,7 +236,7 @@ def ring_collective_time(
     ``T_coll = ceil((N - 1) / d) * (S / W + L) + O``: a bidirectional ring (``d = 2``) needs
     half the rounds; a line without wraparound, or a switch egress, has ``d = 1``. Equals the
     scaling book's ``V / W_bidi`` for large blocks on a full ring. ``wraparound=None``: the
-    chip's rule for ``n_devices`` (:meth:`~xla_permute.cost.Chip.wraparound`).
+    chip's rule for ``n_devices`` (:meth:`~xla_permute_tools.cost.Chip.wraparound`).
     """
     if wraparound is None:
         wraparound = chip.wraparound(n_devices)
@@ -403,7 +403,7 @@ def crossover_table(
     dtype_bytes: float = 2,
 ) -> list[dict[str, object]]:
     """Square-problem crossover sizes (``m = k = n = s``) per chip, N and direction; each ring
-    wraps round as the chip's axis of N does (:meth:`~xla_permute.cost.Chip.wraparound`)."""
+    wraps round as the chip's axis of N does (:meth:`~xla_permute_tools.cost.Chip.wraparound`)."""
     rows = []
     for name in chips:
         for n in n_devices:

@@ -24,8 +24,8 @@ activations a rank holds, ``max(schedule.peak_in_flight) / v``.
 Not modelled: weights, gradients and optimizer state (the same for every schedule), the loss
 head's size, recomputation, overlap of a shift with the next unit's compute.
 
->>> from xla_permute.pipeline.orders import make_schedule
->>> s = make_schedule("1f1b", 4, 8)
+>>> import xla_permute as xp
+>>> s = xp.make_schedule("1f1b", 4, 8)
 >>> step_time(s, t_forward=1.0, backward_ratio=1.0) == s.ticks  # unit ticks, no shift cost
 True
 """
@@ -34,8 +34,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from xla_permute.pipeline.orders import make_schedule
-from xla_permute.pipeline.schedule import PipelineSchedule, units
+import xla_permute as xp
+from xla_permute.pipeline.schedule import units
 
 __all__ = [
     "PipelinePrediction",
@@ -44,7 +44,7 @@ __all__ = [
 ]
 
 
-def _unit(schedule: PipelineSchedule, kind: str, t_forward: float, ratio: float) -> float:
+def _unit(schedule: xp.PipelineSchedule, kind: str, t_forward: float, ratio: float) -> float:
     stage = t_forward / schedule.stages_per_rank
     if kind == "F":
         return stage
@@ -52,7 +52,7 @@ def _unit(schedule: PipelineSchedule, kind: str, t_forward: float, ratio: float)
 
 
 def step_time(
-    schedule: PipelineSchedule,
+    schedule: xp.PipelineSchedule,
     *,
     t_forward: float,
     backward_ratio: float = 2.0,
@@ -133,14 +133,14 @@ def predict_pipeline(
     lockstep: bool = False,
 ) -> PipelinePrediction:
     """:func:`step_time` and the memory of the schedule ``name`` (see
-    :func:`xla_permute.pipeline.orders.make_schedule`).
+    :func:`xla_permute.make_schedule`).
 
     >>> one = predict_pipeline("1f1b", 8, 32)
     >>> two = predict_pipeline("interleaved", 8, 32, 2)
     >>> round(two.throughput_ratio(one), 3), one.activations, two.activations
     (1.099, 8.0, 11.5)
     """
-    s = make_schedule(name, ranks, micro_batches, stages_per_rank)
+    s = xp.make_schedule(name, ranks, micro_batches, stages_per_rank)
     time = step_time(
         s,
         t_forward=t_forward,
