@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from xla_permute_tools import accounting
+
 OPS = {
     "agm": ("all_gather_matmul", True),
     "mrs": ("matmul_reduce_scatter", True),
@@ -113,7 +115,7 @@ def matmul_hlo() -> dict[str, Any]:
                 )
                 schedule = xp.all_gather_schedule(n, 0, bi) * chunks
             prog = xp.hlo.parse(xp.hlo.trace([y]))
-            steps = xp.hlo.permute_steps(prog, n, schedule)
+            steps = accounting.permute_steps(prog, n, schedule)
             dots = [i.name for i in prog.ops("dot")]
             entry = {"permutes": sum(map(len, steps)), "dots": len(dots)}
             if name == "agm":  # x travels: each permute is in flight during its step's matmul

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from xla_permute.backends.tracing import discard_traced_collectives, tracing
+from xla_permute.hlo import discard_traced_collectives, tracing
 
 
 def permute_cases(cases: list[dict[str, Any]], backend: str = "auto") -> list[dict[str, Any]]:

@@ -14,9 +14,9 @@ import math
 import pytest
 
 from xla_permute import RankError, run_on_mesh
-from xla_permute.__main__ import main
 from xla_permute.debug import ENV as DEBUG_ENV
 from xla_permute_tools import bench
+from xla_permute_tools.__main__ import main
 from xla_permute_tools.bench import PRESETS, PROGRAMS, BenchConfig, BenchProgram
 from xla_permute_tools.bench.measure import bench_rank, memory_rank, read_memory_report
 from xla_permute_tools.bench.programs import MEMORY_PROGRAMS

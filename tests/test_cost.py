@@ -7,10 +7,9 @@ import math
 
 import pytest
 
-from xla_permute import cost
-from xla_permute.cost import CHIPS, Workload
-from xla_permute.cost.chips import _FIGURES
-from xla_permute_tools import validation
+from xla_permute_tools import cost, validation
+from xla_permute_tools.cost import CHIPS, Workload
+from xla_permute_tools.cost.chips import _FIGURES
 
 TORUS = ["tpu-v4", "tpu-v5e", "tpu-v5p", "tpu-v6e", "trn1", "trn2"]
 
@@ -379,9 +378,7 @@ def test_tpu_v5e_is_the_most_consistent_chip_for_the_scaling_book_example():
 
 
 def test_the_model_is_built_from_reusable_pieces():
-    import xla_permute as xp
-
-    assert xp.cost.predict is cost.model.predict and xp.cost.CHIPS is cost.chips.CHIPS
+    assert cost.predict is cost.model.predict and cost.CHIPS is cost.chips.CHIPS
     chip, work = CHIPS["tpu-v5p"], Workload(m=512, k=4096, n=1024, n_devices=8)
     assert cost.link_time(chip, 9e10) == pytest.approx(1.0)  # 90 GB/s, one link, one way
     uni = cost.predict(chip, work, "uni")

@@ -2,8 +2,8 @@
 
 import pytest
 
-from xla_permute.cost import CHIPS
-from xla_permute.cost.attention import (
+from xla_permute_tools.cost import CHIPS
+from xla_permute_tools.cost.attention import (
     AttentionWorkload,
     all_gather_attention_time,
     attention_crossover_table,

@@ -1,9 +1,9 @@
 """``python -m xla_permute doctor``: environment, caveats and the self-test table (the table
 itself runs in tests/test_selftest.py; here its rows are stubbed, no mesh is launched)."""
 
-from xla_permute.__main__ import main
-from xla_permute.mesh.launch import MeshError
+from xla_permute import MeshError
 from xla_permute_tools import selftest
+from xla_permute_tools.__main__ import main
 
 
 def test_doctor_reports_environment_caveats_and_the_self_test(monkeypatch, capsys):

@@ -1,4 +1,5 @@
-"""xla_permute.hardware without a mesh: caveats, pair checks, detection, the TPU recipe, dumps.
+"""The hardware rules (xla_permute.hardware) and the workshop's caveat catalog, environment
+detection and TPU recipe (xla_permute_tools.catalog, .environment, .tpu), without a mesh.
 
 Bad arguments of each public function are parametrised tables (``_BAD_*``): each names the
 argument the error message must name.
@@ -14,14 +15,9 @@ import pytest
 import torch
 
 from xla_permute import hardware
-from xla_permute.hardware import (
-    HardwareWarning,
-    caveats,
-    check_device_pairs,
-    requires_complete_rings,
-)
-from xla_permute.hardware import environment as hw_environment
-from xla_permute.hardware import tpu as hw_tpu
+from xla_permute.hardware import HardwareWarning, check_device_pairs, requires_complete_rings
+from xla_permute_tools import catalog, environment, tpu
+from xla_permute_tools.catalog import caveats
 
 # ------------------------------------------------------------------------------------ caveats
 
@@ -30,7 +26,7 @@ def test_every_caveat_is_complete_and_sourced():
     ids = [c.id for c in caveats()]
     assert len(ids) == len(set(ids))
     for c in caveats():
-        assert c.severity in hardware.SEVERITIES, c.id
+        assert c.severity in catalog.SEVERITIES, c.id
         assert c.applies_to and c.summary and c.what_goes_wrong and c.library_action, c.id
         assert all(url.startswith("https://") for url in c.sources), c.id
         # every claim is cited or executed here: no sources means a tutorial runs it
@@ -95,7 +91,7 @@ def test_collective_matmul_caveat_names_the_collective_arguments():
 
 def test_caveats_as_table_rows():
     cpu = caveats("CPU")
-    names, rows = hardware.caveat_rows(cpu, ("id", "severity", "sources"))
+    names, rows = catalog.caveat_rows(cpu, ("id", "severity", "sources"))
     assert names == ["id", "severity", "sources"] and len(rows) == len(cpu)
     (pin,) = [row for row in rows if row[0] == "`pin-layout`"]
     assert "[pytorch/xla#3511](https://github.com/pytorch/xla/pull/3511)" in pin[2]
@@ -109,7 +105,7 @@ def test_caveats_as_table_rows():
     ]
     assert all(text.strip() for _, text in one)
     with pytest.raises(ValueError, match="columns must be Caveat fields"):
-        hardware.caveat_rows(cpu, ("id", "severty"))
+        catalog.caveat_rows(cpu, ("id", "severty"))
 
 
 def test_caveat_device_type_names():
@@ -117,7 +113,7 @@ def test_caveat_device_type_names():
     assert not [c for c in caveats("TPU") if c.id.startswith(("neuron", "cpu", "gpu"))]
     assert caveats("GPU") == caveats("CUDA")
     named = {t for c in caveats() for t in c.applies_to} - {"*"}
-    assert set(hardware.DEVICE_TYPES) == named  # every known type has caveats, and only those
+    assert set(catalog.DEVICE_TYPES) == named  # every known type has caveats, and only those
 
 
 _BAD_DEVICE_TYPES = [
@@ -142,7 +138,7 @@ def test_caveats_reject_unknown_device_types(bad, error, match):
 
 @pytest.mark.parametrize("bad, error, match", [b for b in _BAD_DEVICE_TYPES if b[0] is not None])
 def test_cli_rejects_bad_device_types_with_status_2(bad, error, match, capsys):
-    from xla_permute.__main__ import main
+    from xla_permute_tools.__main__ import main
 
     with pytest.raises(SystemExit) as e:
         main(["doctor", "--device-type", str(bad), "--no-self-test"])
@@ -258,7 +254,7 @@ def test_collective_permute_consults_the_hardware_rules(monkeypatch):
 
 
 def _clean_env(monkeypatch, **values):
-    for key in hw_environment._VARIABLES:
+    for key in environment._VARIABLES:
         monkeypatch.delenv(key, raising=False)
     for key, value in values.items():
         monkeypatch.setenv(key, value)
@@ -268,7 +264,7 @@ def test_detect_cpu_from_the_configuration(monkeypatch):
     import torch_xla
 
     _clean_env(monkeypatch, PJRT_DEVICE="CPU", CPU_NUM_DEVICES="3")
-    env = hardware.detect()
+    env = environment.detect()
     assert (env.device_type, env.device_count, env.source) == ("CPU", 3, "PJRT_DEVICE")
     assert env.torch_xla_version == torch_xla.__version__
     assert env.torch_version == torch.__version__.split("+")[0]
@@ -284,7 +280,7 @@ def test_detect_spmd_mode_as_torch_xla_reads_it(monkeypatch, value, on):
     import torch_xla.runtime as xr
 
     _clean_env(monkeypatch, PJRT_DEVICE="CPU", XLA_USE_SPMD=value)
-    env = hardware.detect()
+    env = environment.detect()
     assert env.spmd is on is hardware.spmd_mode() is xr.is_spmd()
     assert ("SPMD mode:         on (xr.use_spmd())" in env.format()) is on
 
@@ -298,21 +294,21 @@ def test_every_op_is_refused_in_spmd_mode_naming_it_and_the_fix():
 
 
 def test_detect_tpu_generation_and_neuron_cores(monkeypatch):
-    import torch_xla._internal.tpu as tpu
+    import torch_xla._internal.tpu as torch_xla_tpu
 
     _clean_env(monkeypatch, PJRT_DEVICE="TPU", TPU_ACCELERATOR_TYPE="v5litepod-8")
-    env = hardware.detect()
+    env = environment.detect()
     assert (env.device_type, env.tpu_generation) == ("TPU", "v5litepod")
-    assert env.device_count == (tpu.num_available_chips() or None)
+    assert env.device_count == (torch_xla_tpu.num_available_chips() or None)
     _clean_env(monkeypatch, PJRT_DEVICE="NEURON", NEURON_RT_VISIBLE_CORES="0-3,8")
-    env = hardware.detect()
+    env = environment.detect()
     assert (env.device_type, env.device_count, env.tpu_generation) == ("NEURON", 5, None)
     _clean_env(monkeypatch, PJRT_DEVICE=" ")  # blank: reported, not raised
-    assert hardware.detect().device_type == "UNKNOWN"
+    assert environment.detect().device_type == "UNKNOWN"
 
 
 def test_collective_signatures_of_the_installed_torch_xla():
-    sigs = {s.name: s for s in hardware.collective_signatures()}
+    sigs = {s.name: s for s in environment.collective_signatures()}
     assert sigs["collective_permute"].pin_layout_default is None
     pinned = {name for name, s in sigs.items() if s.pin_layout_default}
     assert pinned == {
@@ -329,7 +325,7 @@ def test_collective_signatures_of_the_installed_torch_xla():
 
 
 def test_tpu_setup_as_data():
-    setup = hardware.tpu_collective_matmul_setup(dump_dir="/tmp/d", windowed_einsum_threshold_mib=0)
+    setup = tpu.tpu_collective_matmul_setup(dump_dir="/tmp/d", windowed_einsum_threshold_mib=0)
     assert setup.env["ENABLE_COLLECTIVE_MATMUL_IN_MP"] == "1"
     flags = setup.env["LIBTPU_INIT_ARGS"].split()
     assert "--xla_enable_async_collective_permute=true" in flags
@@ -344,10 +340,10 @@ def test_tpu_setup_as_data():
     for bad, error in ((0, ValueError), (-1, ValueError), (True, TypeError), ("1", TypeError)):
         with pytest.raises(error, match="channel_id must be an int >= 1, got .*same on every rank"):
             setup.kwargs(bad, [[0, 1]])
-    assert "XLA_FLAGS" not in hardware.tpu_collective_matmul_setup().env
+    assert "XLA_FLAGS" not in tpu.tpu_collective_matmul_setup().env
     from pathlib import Path
 
-    assert hardware.tpu_collective_matmul_setup(dump_dir=Path("/tmp/d")).dump_dir == "/tmp/d"
+    assert tpu.tpu_collective_matmul_setup(dump_dir=Path("/tmp/d")).dump_dir == "/tmp/d"
 
 
 _BAD_TPU_SETUPS = [
@@ -367,11 +363,11 @@ _BAD_TPU_SETUPS = [
 @pytest.mark.parametrize("kwargs, error, match", _BAD_TPU_SETUPS)
 def test_tpu_setup_rejects_bad_arguments(kwargs, error, match):
     with pytest.raises(error, match=match):
-        hardware.tpu_collective_matmul_setup(**kwargs)
+        tpu.tpu_collective_matmul_setup(**kwargs)
 
 
 def test_tpu_setup_apply_merges_flags_and_problems_reports():
-    setup = hardware.tpu_collective_matmul_setup()
+    setup = tpu.tpu_collective_matmul_setup()
     environ = {
         "PJRT_DEVICE": "TPU",
         "LIBTPU_INIT_ARGS": "--xla_enable_async_collective_permute=false --xla_other=1",
@@ -380,7 +376,7 @@ def test_tpu_setup_apply_merges_flags_and_problems_reports():
     setup.apply(environ)
     flags = environ["LIBTPU_INIT_ARGS"].split()
     assert flags[:2] == ["--xla_enable_async_collective_permute=false", "--xla_other=1"]
-    assert len(flags) == 2 + len(hw_tpu._OVERLAP_FLAGS) - 1  # the user's own value kept
+    assert len(flags) == 2 + len(tpu._OVERLAP_FLAGS) - 1  # the user's own value kept
     assert environ["ENABLE_COLLECTIVE_MATMUL_IN_MP"] == "1"
     problems = setup.problems(environ)
     assert problems == ["LIBTPU_INIT_ARGS lacks --xla_enable_async_collective_permute=true"]
@@ -388,8 +384,8 @@ def test_tpu_setup_apply_merges_flags_and_problems_reports():
 
 
 def test_tpu_setup_refuses_after_the_first_compile(monkeypatch):
-    monkeypatch.setattr(hw_tpu, "_compiled_in_this_process", lambda: True)
-    setup = hardware.tpu_collective_matmul_setup()
+    monkeypatch.setattr(tpu, "_compiled_in_this_process", lambda: True)
+    setup = tpu.tpu_collective_matmul_setup()
     with pytest.raises(RuntimeError, match="before the first compile"):
         setup.apply()
     assert "ENABLE_COLLECTIVE_MATMUL_IN_MP" not in os.environ
@@ -425,7 +421,7 @@ def test_read_dump_tells_rewritten_from_not(tmp_path):
     (tmp_path / "module_0001.g.1.before_optimizations.txt").write_text(_BEFORE)
     (tmp_path / "module_0001.g.1.cpu_after_optimizations.txt").write_text(_BEFORE)
     (tmp_path / "module_0002.g.1.before_optimizations.txt").write_text(_BEFORE)  # no after
-    rewritten, kept = hardware.read_dump(tmp_path)
+    rewritten, kept = tpu.read_dump(tmp_path)
     assert (rewritten.module, kept.module) == ("module_0000.g.1", "module_0001.g.1")
     assert rewritten.rewritten and not kept.rewritten
     assert rewritten.after["collective-permute"] == 1 and rewritten.after["while"] == 1
@@ -442,8 +438,8 @@ def test_read_dump_tells_rewritten_from_not(tmp_path):
 )
 def test_read_dump_rejects_what_is_not_a_directory(bad, error, match, tmp_path):
     with pytest.raises(error, match=match):
-        hardware.read_dump(bad)
-    assert hardware.read_dump(tmp_path) == []  # an empty dump: no module compiled yet
+        tpu.read_dump(bad)
+    assert tpu.read_dump(tmp_path) == []  # an empty dump: no module compiled yet
 
 
 # ------------------------------------------------------------------------------------ layering
@@ -466,17 +462,15 @@ def _package_imports(module) -> set[str]:
 
 
 def test_the_rules_sit_below_the_ops():
-    """rules needs pairs only (the ops import it); no hardware module imports an op (pairs, the
-    checks' floor, is none)."""
-    from xla_permute.hardware import catalog, caveat, environment, known_caveats, rules, tpu
+    """The rules need pairs only (the ops import them); the workshop's caveat modules read the
+    library through its namespace, its rules and pairs only."""
+    from xla_permute_tools import caveat, known_caveats
 
-    assert _package_imports(rules) == {"xla_permute.pairs"}
-    names = ("caveat", "catalog", "environment", "known_caveats", "rules", "tpu")
-    own = {f"xla_permute.hardware.{m}" for m in names}
-    for module in (caveat, catalog, environment, known_caveats, tpu, hardware):
-        assert _package_imports(module) <= own | {"xla_permute.hlo", "xla_permute.pairs"}, (
-            module.__name__
-        )
+    assert _package_imports(hardware) == {"xla_permute.pairs"}
+    library = {"xla_permute", "xla_permute.hardware", "xla_permute.pairs"}
+    for module in (caveat, catalog, environment, known_caveats, tpu):
+        found = {m for m in _package_imports(module) if not m.startswith("xla_permute_tools")}
+        assert found <= library, module.__name__
 
 
 @pytest.mark.parametrize("name", ["native", "emulated"])

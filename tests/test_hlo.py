@@ -2,8 +2,8 @@
 
 import pytest
 
-from xla_permute import hlo
-from xla_permute.schedule import all_gather_schedule, reduce_scatter_schedule
+from xla_permute import all_gather_schedule, hlo, reduce_scatter_schedule
+from xla_permute_tools import accounting
 
 TEXT = """
 HloModule IrToHlo.9, entry_computation_layout={(f32[4,8]{1,0})->(bf16[8,8]{1,0})}
@@ -107,37 +107,37 @@ BI = all_gather_schedule(4, 0, bidirectional=True)
 
 def test_byte_accounting_follows_the_schedule():
     ring = [permute("a", "p", 1), permute("b", "a", 1), permute("c", "b", 1)]
-    account = hlo.account_bytes(module(*ring), 4, UNI)
+    account = accounting.account_bytes(module(*ring), 4, UNI)
     assert account.per_step == (32, 32, 32, 0) and account.total == 96
     assert account.per_collective == (("collective-permute", 32),) * 3
     assert account.gathered_bytes is None
     # matmul-reduce-scatter's ring has the same shape of schedule
-    assert hlo.account_bytes(module(*ring), 4, reduce_scatter_schedule(4, 0)) == account
+    assert accounting.account_bytes(module(*ring), 4, reduce_scatter_schedule(4, 0)) == account
     with pytest.raises(ValueError, match="uni: permutes per direction .* do not match"):
-        hlo.account_bytes(module(*ring[:2]), 4, UNI, name="uni")
+        accounting.account_bytes(module(*ring[:2]), 4, UNI, name="uni")
     with pytest.raises(ValueError, match="do not match the schedule"):  # all three go one way
-        hlo.chain_report(module(*ring), 4, BI)
+        accounting.chain_report(module(*ring), 4, BI)
     with pytest.raises(ValueError, match="expected only collective-permutes"):
-        hlo.account_bytes(TEXT, 2, UNI)
+        accounting.account_bytes(TEXT, 2, UNI)
 
 
 def test_byte_accounting_of_blocking_collectives():
     gather = "  %ag = f32[8,4]{1,0} all-gather(f32[2,4]{1,0} %p), channel_id=1, dimensions={0}"
-    account = hlo.account_bytes(module(gather), 4)
+    account = accounting.account_bytes(module(gather), 4)
     assert (account.per_step, account.total, account.gathered_bytes) == ((32, 32, 32), 96, 128)
     parsed = hlo.parse(module(gather))  # a parsed program works as well as its text
-    assert hlo.account_bytes(parsed, 4) == account
+    assert accounting.account_bytes(parsed, 4) == account
     with pytest.raises(ValueError, match="expected blocking collectives and no permute"):
-        hlo.account_bytes(module(permute("a", "p", 1)), 4)
+        accounting.account_bytes(module(permute("a", "p", 1)), 4)
     with pytest.raises(ValueError, match="expected blocking collectives"):
-        hlo.account_bytes(module(), 4)
+        accounting.account_bytes(module(), 4)
 
 
 def test_chain_report_reads_directions_and_dependencies_not_text_order():
     # Step 0 sends both ways, step 1 one way; the text lists the -1 permute first.
     free = module(permute("down", "p", -1), permute("up0", "p", 1), permute("up1", "up0", 1))
-    assert hlo.permute_steps(free, 4, BI) == [["up0", "down"], ["up1"], []]
-    assert hlo.chain_report(free, 4, BI) == {
+    assert accounting.permute_steps(free, 4, BI) == [["up0", "down"], ["up1"], []]
+    assert accounting.chain_report(free, 4, BI) == {
         "permutes": 3,
         "chained": 0,
         "same_step": 1,
@@ -150,11 +150,11 @@ def test_chain_report_reads_directions_and_dependencies_not_text_order():
         permute("down", "tok", -1),
         permute("up1", "up0", 1),
     )
-    assert hlo.account_bytes(tied, 4, BI).per_step == (64, 32, 0)
-    assert hlo.chain_report(tied, 4, BI)["same_step_chained"] == 1
+    assert accounting.account_bytes(tied, 4, BI).per_step == (64, 32, 0)
+    assert accounting.chain_report(tied, 4, BI)["same_step_chained"] == 1
     uni = module(permute("a", "p", 1), permute("b", "a", 1), permute("c", "b", 1))
-    assert hlo.chain_report(uni, 4, UNI)["chained"] == 2
-    assert hlo.chain_report(uni, 4, None) == dict.fromkeys(
+    assert accounting.chain_report(uni, 4, UNI)["chained"] == 2
+    assert accounting.chain_report(uni, 4, None) == dict.fromkeys(
         ("permutes", "chained", "same_step", "same_step_chained"), 0
     )
 
@@ -163,7 +163,7 @@ def test_ring_order_sets_the_directions():
     order = (0, 2, 3, 1)
     ring = module(*(permute(a, b, 1, order=order) for a, b in (("a", "p"), ("b", "a"), ("c", "b"))))
     with pytest.raises(ValueError, match="is not a ring shift"):
-        hlo.permute_steps(ring, 4, UNI)
-    assert hlo.permute_steps(ring, 4, UNI, order=order) == [["a"], ["b"], ["c"], []]
+        accounting.permute_steps(ring, 4, UNI)
+    assert accounting.permute_steps(ring, 4, UNI, order=order) == [["a"], ["b"], ["c"], []]
     with pytest.raises(ValueError, match="order must be a permutation"):
-        hlo.permute_steps(ring, 4, UNI, order=(0, 1, 2, 2))
+        accounting.permute_steps(ring, 4, UNI, order=(0, 1, 2, 2))

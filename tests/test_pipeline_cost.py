@@ -1,11 +1,11 @@
-"""The pipeline step-time model (xla_permute.cost.pipeline): pure arithmetic on schedules."""
+"""The pipeline step-time model (xla_permute_tools.cost.pipeline): pure arithmetic on schedules."""
 
 from __future__ import annotations
 
 import pytest
 
 from xla_permute import make_schedule
-from xla_permute.cost import predict_pipeline, step_time
+from xla_permute_tools.cost import predict_pipeline, step_time
 from xla_permute_tools.validation import TORCHTITAN_405B, torchtitan_comparison
 
 

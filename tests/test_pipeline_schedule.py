@@ -160,7 +160,7 @@ def test_bubble_and_memory_of_the_new_schedules(s):
 def test_zero_bubble_cuts_1f1bs_bubble_to_a_third_in_time():
     """With durations F = I = W = 1 (B = I + W = 2), the zero-bubble paper's unit times: 1F1B
     idles (p-1)(F+B) per rank, ZB-H1 (p-1)(F+I-W)... = p-1 units, a third; ZB-V ~ none."""
-    from xla_permute.cost import predict_pipeline
+    from xla_permute_tools.cost import predict_pipeline
 
     p, m = 4, 10
     one, zb = predict_pipeline("1f1b", p, m), predict_pipeline("zbh1", p, m)

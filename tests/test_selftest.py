@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from xla_permute import reference
-from xla_permute.__main__ import main
 from xla_permute_tools import selftest
+from xla_permute_tools.__main__ import main
 
 
 def test_demo_runs_every_check_in_one_launch_and_all_pass(capsys):

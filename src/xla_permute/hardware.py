@@ -1,19 +1,12 @@
 """The hardware rules the ops enforce: which permutes a device type runs as XLA's semantics say.
 
-:func:`~xla_permute.permute.collective_permute` calls :func:`check_device_pairs` on its native
-backend; :func:`~xla_permute.pipeline.shift.stage_shift` asks :func:`requires_complete_rings`;
-the XLA backends call :func:`check_not_spmd` whenever an op looks up its place. It depends on
-:mod:`xla_permute.pairs` only and never imports ``torch_xla``.
-
-* :class:`ValueError` (the permute cannot run, the message has the fix): on Neuron, pairs that
-  do not form complete rings (an open chain such as a pipeline's ``0 -> 1 -> 2``); any
-  collective of this package in torch_xla's SPMD mode (:func:`check_not_spmd`).
-* :class:`HardwareWarning` (it runs, but may not mean what XLA says): on Neuron, ranks that
-  are in no pair (XLA gives them zeros; Neuron leaves them inactive) and 64-bit dtypes.
-
-A device type without rules here (CPU, TPU, or a PJRT plugin this package does not know) runs
-any partial permutation. The caveats behind each rule, with their sources, are the workshop's
-catalog (``python -m xla_permute doctor --details``).
+The native backend calls :func:`check_device_pairs` for every permute and
+:func:`check_not_spmd` whenever an op looks up its place; :func:`~xla_permute.stage_shift`
+asks :func:`requires_complete_rings`. It needs :mod:`xla_permute.pairs` only, never
+``torch_xla``. A :class:`ValueError` when the collective cannot run (the message has the fix),
+a :class:`HardwareWarning` when it runs but may not mean what XLA says. A device type without
+rules here (CPU, TPU, a PJRT plugin) runs any partial permutation. The caveats behind the
+rules, with their sources, are the workshop's catalog (``python -m xla_permute doctor``).
 
 >>> requires_complete_rings("neuron"), requires_complete_rings("TPU")
 (True, False)
@@ -28,17 +21,12 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from xla_permute import pairs as _pairs
-from xla_permute.pairs import check_int
+from xla_permute.pairs import PairsLike, check_int, check_pairs, decompose
 
 __all__ = [
-    "HardwareWarning",
-    "check_device_pairs",
-    "check_not_spmd",
-    "device_type_name",
-    "requires_complete_rings",
-    "spmd_mode",
-]
+    "HardwareWarning", "check_device_pairs", "check_not_spmd", "device_type_name",
+    "requires_complete_rings", "spmd_mode",
+]  # fmt: skip
 
 
 class HardwareWarning(UserWarning):
@@ -53,7 +41,9 @@ def device_type_name(device_type: object) -> str:
         raise TypeError(f"device_type must be a device type name {what}, got {device_type!r}")
     name = device_type.strip().split("_")[0].upper()
     if not name:
-        raise ValueError(f"device_type must name a device type {what}, got {device_type!r}")
+        raise ValueError(
+            f"device_type must name a device type {what}, got the blank string {device_type!r}"
+        )
     return name
 
 
@@ -66,7 +56,7 @@ _64_BIT = ("int64", "uint64", "float64", "complex128")
 
 
 def check_device_pairs(
-    device_type: str, pairs: _pairs.PairsLike, world_size: int, *, dtype: Any = None
+    device_type: str, pairs: PairsLike, world_size: int, *, dtype: Any = None
 ) -> None:
     """Refuse or warn about a permute that ``device_type`` cannot run as XLA's semantics say.
 
@@ -74,13 +64,9 @@ def check_device_pairs(
     checked with :func:`xla_permute.pairs.check_pairs`, whose errors it raises); ``dtype`` is
     the tensor's dtype, if known. Empty pairs issue no collective and are always fine.
 
-    Raises:
-        ValueError: on Neuron, pairs with an open chain; the message names the pair that
-            closes each chain into a ring.
-
-    Warns:
-        HardwareWarning: on Neuron, ranks in no pair (not guaranteed zeros there) and 64-bit
-        dtypes.
+    On Neuron: ValueError for pairs with an open chain (the message names the pair that
+    closes each chain into a ring); HardwareWarning for ranks in no pair (not guaranteed zeros
+    there) and for 64-bit dtypes.
 
     >>> check_device_pairs("NEURON", [(0, 1), (1, 2)], 4)
     Traceback (most recent call last):
@@ -89,10 +75,10 @@ def check_device_pairs(
     """
     dt = device_type_name(device_type)
     n = check_int(world_size, "world_size", 1, fix="the number of ranks")
-    checked = _pairs.check_pairs(pairs, n)
+    checked = check_pairs(pairs, n)
     if not checked or dt != "NEURON":
         return
-    chains = _pairs.decompose(checked).chains
+    chains = decompose(checked).chains
     if chains:
         fixes = "; ".join(
             f"add pair ({c[-1]}, {c[0]}) and discard the value rank {c[0]} then receives"
