@@ -33,8 +33,10 @@ test: $(STAMP)
 	    --ignore tests/test_reliability.py
 	$(BIN)/python -m pytest tutorials docs/index.md tests/test_reliability.py
 
+# Pages it executes launch their meshes from the warm process, as the tests do (conftest.py).
 docs: $(STAMP)
-	$(BIN)/sphinx-build -T -n -W --keep-going -b html docs docs/_build/html
+	XLA_PERMUTE_LAUNCHER=$${XLA_PERMUTE_LAUNCHER-xla_permute_tools.warm:start_process} \
+	  $(BIN)/sphinx-build -T -n -W --keep-going -b html docs docs/_build/html
 
 # Debian's Chromium and ChromeDriver, for the browser check, when they are missing.
 browser:

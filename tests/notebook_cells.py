@@ -114,9 +114,9 @@ def excluded_cells(path: str | Path) -> list[int]:
 
 
 #: What a kernel started ahead of its notebook (:meth:`CellRunner.start`) runs before its first
-#: cell: the imports and the warm process of the mesh (:mod:`xla_permute.mesh.preload`) that the
+#: cell: the imports and the warm process of the mesh (``XLA_PERMUTE_LAUNCHER``) that the
 #: first cells would wait for otherwise. It leaves no name in the notebook's namespace.
-WARM_UP = "import xla_permute.mesh.launch as _warm; _warm.run_on_mesh(int, n=1); del _warm"
+WARM_UP = "import xla_permute.cpu_mesh as _warm; _warm.run_on_mesh(int, n=1); del _warm"
 
 
 class CellRunner:

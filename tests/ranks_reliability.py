@@ -103,8 +103,8 @@ def _probe(name: str, rank: int, n: int, device: Any) -> Any:
             xm.mark_step()
         return out
     # --- the debug mode itself ----------------------------------------------------------------
-    if name == "debug_mode(False), ranks agree":
-        with xp.debug_mode(False):
+    if name == "debug_mode('sampled'), ranks agree":
+        with xp.debug_mode("sampled"):
             return xp.collective_permute(x, ring)
     raise KeyError(name)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from xla_permute import debug, run_on_mesh
-from xla_permute.mesh.launch import mesh_environment
+from xla_permute.cpu_mesh import mesh_environment
 from xla_permute.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from xla_permute.tensor_parallel.mlp import GatedMLP, SequenceParallelMLP
 
@@ -121,7 +121,7 @@ def default_cases() -> dict[str, object]:
 
     out: dict[str, object] = {
         "environment": os.environ.get(debug.ENV),
-        "enabled": debug.enabled(),
+        "level": debug.check_level(),
     }
     for name in [*DISAGREE, "agree"]:  # the defaults: no debug_mode() here
         try:
@@ -130,7 +130,7 @@ def default_cases() -> dict[str, object]:
             out[name] = ("ok", value.cpu())
         except Exception as e:  # noqa: BLE001 - the test inspects the type and the message
             out[name] = (type(e).__name__, str(e))
-    with xp.debug_mode(False):  # caught by each rank alone: no check collective needed
+    with xp.debug_mode("sampled"):  # caught by each rank alone: no check collective needed
         for name in LOCAL:
             try:
                 call(name)
@@ -148,7 +148,7 @@ def mesh() -> list[dict[str, object]]:
 
 
 def test_the_mesh_turns_the_debug_mode_on(mesh):
-    assert [(r["environment"], r["enabled"]) for r in mesh] == [("1", True)] * N
+    assert [(r["environment"], r["level"]) for r in mesh] == [("1", "every")] * N
 
 
 @pytest.mark.parametrize("name", list(DISAGREE))
@@ -190,11 +190,12 @@ def test_mesh_environment_default_and_the_callers_choice(monkeypatch):
     assert mesh_environment(2)[debug.ENV] == "1"
 
 
-def test_outside_the_mesh_the_default_is_off(monkeypatch):
-    """On a TPU or Neuron host (no run_on_mesh), an unset variable leaves the check off."""
+def test_outside_the_mesh_the_default_is_sampled(monkeypatch):
+    """On a TPU or Neuron host (no run_on_mesh), an unset variable leaves the debug mode off:
+    the sampled checks."""
     monkeypatch.delenv(debug.ENV, raising=False)
     monkeypatch.setenv("PJRT_DEVICE", "TPU")
-    assert debug.enabled() is False
+    assert debug.check_level() == "sampled"
 
 
 def _layers(**kw) -> tuple[ColumnParallelLinear, ColumnParallelLinear, RowParallelLinear]:

@@ -15,14 +15,14 @@ import rank_fns
 import torch
 
 from xla_permute import MeshError, RankError, run_on_mesh
-from xla_permute.mesh.launch import mesh_environment
+from xla_permute.cpu_mesh import mesh_environment
 
 
 def _launch_mismatched() -> tuple[BaseException | None, float]:
     start = time.monotonic()
     try:
         run_on_mesh(rank_fns.rank_zero_skips_collective, n=4, timeout=120,
-                    env={"XLA_PERMUTE_PRELOAD": "0"})  # fmt: skip
+                    env={"XLA_PERMUTE_LAUNCHER": ""})  # fmt: skip
     except BaseException as e:  # the test asserts what it is
         return e, time.monotonic() - start
     return None, time.monotonic() - start
@@ -32,7 +32,7 @@ def _launch_mismatched() -> tuple[BaseException | None, float]:
 def mismatched_launch(request):
     """The launch of test_mismatched_collective_is_a_clear_bounded_error, started with the
     module: its device process waits about 15 s for XLA's rendezvous to give up, idle, while
-    the other tests run (in a new interpreter: the warm process stays theirs)."""
+    the other tests run (started plainly: the warm process, if any, stays theirs)."""
     name = "test_mismatched_collective_is_a_clear_bounded_error"
     if not any(item.name == name for item in request.session.items):
         yield None
@@ -240,7 +240,7 @@ def test_mismatched_collective_is_a_clear_bounded_error(mismatched_launch):
 
 
 def test_abort_message_names_the_usual_causes_and_their_fixes():
-    from xla_permute.mesh.launch import _MISMATCH_HINT
+    from xla_permute.cpu_mesh.launch import _MISMATCH_HINT
 
     assert "XLA_PERMUTE_DEBUG=1" in _MISMATCH_HINT
     assert "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()]))" in _MISMATCH_HINT
@@ -258,8 +258,8 @@ def test_mesh_error_names_the_collective_the_missing_rank_and_where_it_was(tmp_p
     """The diagnosis of an abort: XLA's rendezvous lines and the ranks' status lines."""
     import time
 
-    from xla_permute.mesh import launch
-    from xla_permute.mesh import status as mesh_status
+    from xla_permute.cpu_mesh import launch
+    from xla_permute.cpu_mesh import status as mesh_status
 
     key = ("all gather RendezvousKey{run_id=RunId: 0, global_devices=[0,1,2,3], "
            "num_local_participants=4, collective_op_kind=cross_module, op_id=3}")  # fmt: skip
@@ -297,7 +297,7 @@ def test_mesh_error_names_the_collective_the_missing_rank_and_where_it_was(tmp_p
 def test_relay_keeps_xla_rendezvous_progress_lines_for_the_diagnosis_only(capfd):
     """XLA's "may be stuck" / "unstuck" lines of a slow rendezvous reach the tail (which a
     MeshError's diagnosis reads), not the caller's stderr; every other line reaches both."""
-    from xla_permute.mesh import rank_output
+    from xla_permute.cpu_mesh import rank_output
 
     lines = [
         "E rendezvous.cc:100] [id=0] This thread has been waiting for `all gather` for 5 "
@@ -314,3 +314,45 @@ def test_relay_keeps_xla_rendezvous_progress_lines_for_the_diagnosis_only(capfd)
     shown = capfd.readouterr().err
     assert finished and tail.splitlines() == lines
     assert shown.splitlines() == [lines[2]]
+
+
+# --- the device process and its starter ------------------------------------------------------
+
+STARTED: list[list[str]] = []
+
+
+def record_start(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """A starter for XLA_PERMUTE_LAUNCHER: records the command, then starts it as Popen."""
+    STARTED.append(command)
+    return subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, start_new_session=True)  # fmt: skip
+
+
+def test_the_launcher_variable_names_the_starter():
+    STARTED.clear()
+    env = {"XLA_PERMUTE_LAUNCHER": f"{__name__}:record_start"}
+    assert run_on_mesh(rank_fns.rank_times, 2, n=2, env=env) == [0, 2]
+    assert [c[:3] for c in STARTED] == [[sys.executable, "-m", "xla_permute.cpu_mesh.device"]]
+    assert run_on_mesh(rank_fns.rank_times, 2, n=2, env={"XLA_PERMUTE_LAUNCHER": ""}) == [0, 2]
+    assert len(STARTED) == 1  # unset: the plain start
+
+
+def _last_op_recorded():
+    """In the device process: what the rank's status line says after an op of the package."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    import xla_permute as xp
+    from xla_permute.cpu_mesh import status
+
+    x = torch.ones(2, device=torch_xla.device())
+    xp.collective_permute(x, xp.ring_pairs(xr.world_size()))
+    xp.all_gather(x, 0)
+    line = status.read(status._directory)[xr.global_ordinal()]
+    return line["last_op"], line["calls"]
+
+
+def test_every_op_reports_to_the_rank_status():
+    """The device process registers the status with the debug checks' hook (debug.on_op): the
+    diagnosis of an abort names the last op each rank called."""
+    assert run_on_mesh(_last_op_recorded, n=2) == [("all_gather", 2)] * 2

@@ -118,7 +118,7 @@ def test_a_kernel_started_ahead_is_warm_and_its_namespace_clean(tmp_path):
         "---\nkernelspec:\n  name: python3\n  display_name: Python 3\n---\n# t\n\n"
         "```{code-cell} ipython3\nimport sys\n"
         "print(sorted(n for n in dir() if not n.startswith('__')))\n"
-        "preload = sys.modules.get('xla_permute.mesh.preload')\n"
+        "preload = sys.modules.get('xla_permute_tools.warm')\n"
         "warm = preload is not None and preload._zygote is not None\n```\n\n"
         "```{code-cell} ipython3\nwarm\n```\n"
     )

@@ -145,7 +145,7 @@ PROBES.update({
     "pipeline stages np.int64(2)": _two_pipelines,
     "native traced in hlo.tracing": _native_traced,
     "step loop, y deleted before mark_step": _step_loop,
-    "debug_mode(False), ranks agree": _ring_result,
+    "debug_mode('sampled'), ranks agree": _ring_result,
 })  # fmt: skip
 
 

@@ -2,7 +2,7 @@
 
 :func:`~xla_permute.run_on_mesh` turns torch_xla's parameter aliasing off
 (``XLA_ENABLE_PARAM_ALIASING=0``), because with it on a training loop on a mesh of device
-threads can deadlock (:func:`~xla_permute.mesh.launch.mesh_environment`).
+threads can deadlock (:func:`~xla_permute.cpu_mesh.mesh_environment`).
 Aliasing lets a step's program write the updated parameters and optimizer states into the
 buffers of the old ones; without it they get new buffers. This bench measures the price, side
 by side in two launches of the same training step (a sequence-parallel MLP on collective

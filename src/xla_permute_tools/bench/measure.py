@@ -1,6 +1,6 @@
 """What the bench measures on a rank: run, trace and compile times, and peak memory.
 
-Rank functions for :func:`~xla_permute.mesh.launch.run_on_mesh` (the host side that launches them
+Rank functions for :func:`~xla_permute.cpu_mesh.launch.run_on_mesh` (the host side that launches them
 is :mod:`xla_permute_tools.bench.run`):
 
 * :func:`bench_rank`: emulated runs on every rank (:func:`emulated_runs`), then native trace
@@ -140,7 +140,7 @@ def emulated_runs(programs: Sequence[BenchProgram], cfg: dict[str, int]) -> dict
 
 def debug_cost(cfg: dict[str, int]) -> dict[str, list[float]]:
     """Every rank: a permute ring of one x block, call to result, at each agreement-check level
-    (``none``, ``sampled``: the default off the mesh, ``all``: the debug mode)."""
+    (``off``, ``sampled``: the default off the mesh, ``every``: the debug mode)."""
     import torch
     import torch_xla
     import torch_xla.core.xla_model as xm

@@ -223,8 +223,8 @@ def run_bench(
                 }
             )
     # The debug mode's cost: a permute ring with the check over one without, slowest rank.
-    debug_on = max(_median(r["debug_s"]["all"]) for r in main)
-    debug_off = max(_median(r["debug_s"]["none"]) for r in main)
+    debug_on = max(_median(r["debug_s"]["every"]) for r in main)
+    debug_off = max(_median(r["debug_s"]["off"]) for r in main)
     sampled = max(_median(r["debug_s"]["sampled"]) for r in main)
     result = {
         "debug_mode_ratio": debug_on / debug_off,

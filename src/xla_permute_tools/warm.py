@@ -1,23 +1,27 @@
-"""A warm process for the mesh: torch imported once, forked for every launch.
+"""A warm process for the CPU mesh: torch imported once, forked for every launch.
 
-A new device process spends about 4 s on this 2-core machine before its first rank runs,
-almost all of it importing torch and the parts of torch that torch_xla imports
-(``torch._dynamo``, ``torch._inductor``, ``torch.export``, ...); the suite and the tutorials
-launch about a hundred meshes. :func:`xla_permute.run_on_mesh` therefore asks a *zygote*, a
-child process that has imported those torch modules, but never torch_xla and never a device,
-to fork: the fork starts with torch in memory, takes the launch's environment, working
-directory and output pipes, and runs what a fresh ``python -c`` runs
-(``xla_permute.mesh.device.main``), which imports torch_xla (about 0.2 s) and creates the
+A new device process spends about 4 s on a 2-core machine before its first rank runs, almost
+all of it importing torch and the parts of torch that torch_xla imports (``torch._dynamo``,
+``torch._inductor``, ``torch.export``, ...); the suite and the tutorials launch about a
+hundred meshes. :func:`start_process` is a starter for :func:`xla_permute.run_on_mesh`::
+
+    XLA_PERMUTE_LAUNCHER=xla_permute_tools.warm:start_process
+
+(the root ``conftest.py`` sets it for the tests and the tutorials, the Makefile for the docs).
+It asks a *zygote*, a child process that has imported those torch modules, but never
+torch_xla and never a device, to fork: the fork starts with torch in memory, takes the
+launch's environment, working directory and output pipes, and runs what ``python -m MODULE
+ARGS`` runs (the mesh's device process), which imports torch_xla (about 0.2 s) and creates the
 PJRT client with the launch's settings.
 
 What a fork cannot change is what was read while importing: the zygote imported torch with
 its own environment. So a launch whose environment differs from the zygote's in any variable
-other than :data:`LAUNCH_VARIABLES` (read by torch_xla, XLA and this package, none of them
-imported in the zygote) gets a new zygote. The zygote imports nothing of this package (it
-runs this file by path), so the package's modules are imported fresh in every fork.
-``XLA_PERMUTE_PRELOAD=0`` in a launch's environment (this process's, or ``run_on_mesh``'s
-``env``) starts a fresh interpreter for that launch instead; a zygote that
-cannot start, or is busy with another thread's launch, is bypassed the same way.
+other than :data:`LAUNCH_VARIABLES` (read by torch_xla, XLA and xla_permute, none of them
+imported in the zygote) gets a new zygote. The zygote imports nothing of xla_permute (it runs
+this file by path), so its modules are imported fresh in every fork. A command other than
+``[sys.executable, "-m", ...]``, a zygote that cannot start, or one busy with another
+thread's launch gets a fresh interpreter (:class:`subprocess.Popen`) instead. To start one
+launch fresh, unset the variable for it: ``run_on_mesh(..., env={"XLA_PERMUTE_LAUNCHER": ""})``.
 
 This file imports only the standard library at the top: the zygote runs it by path.
 """
@@ -34,14 +38,7 @@ import sys
 import threading
 from typing import IO, Any
 
-__all__ = [
-    "EXTRA_ENV",
-    "LAUNCH_VARIABLES",
-    "PRELOAD",
-    "PRELOAD_ENV",
-    "ForkedProcess",
-    "start_process",
-]
+__all__ = ["EXTRA_ENV", "LAUNCH_VARIABLES", "PRELOAD", "ForkedProcess", "start_process"]
 
 #: The modules the zygote imports (torch and what torch_xla's import pulls in from it).
 PRELOAD = (
@@ -55,7 +52,7 @@ PRELOAD = (
     "cloudpickle",
 )
 #: The variables a launch may set differently from the zygote's environment, because no
-#: import of the :data:`PRELOAD` modules reads them (torch_xla, XLA and this package do;
+#: import of the :data:`PRELOAD` modules reads them (torch_xla, XLA and xla_permute do;
 #: importing torch_xla sets ``GRPC_VERBOSITY``, ``PJRT_DYNAMIC_PLUGINS``, ``XLA_FLAGS`` and
 #: ``TF_CPP_MIN_LOG_LEVEL`` in the importing process). A caller adds its own in
 #: :data:`EXTRA_ENV` (a test runner that changes a variable per test names it there).
@@ -71,16 +68,13 @@ LAUNCH_VARIABLES = frozenset(
         "XLA_PERMUTE_DEBUG",
         "XLA_ENABLE_PARAM_ALIASING",
         "DISABLE_NUMERIC_CC_TOKEN",
-        "XLA_PERMUTE_PRELOAD",
+        "XLA_PERMUTE_LAUNCHER",
         "XLA_PERMUTE_SYNC_GUARD",
         "XLA_PERMUTE_LAUNCH_VARIABLES",
     }
 )
 #: Comma-separated names of further launch variables, read from the launch's environment.
 EXTRA_ENV = "XLA_PERMUTE_LAUNCH_VARIABLES"
-#: The switch (``XLA_PERMUTE_PRELOAD=0`` in a launch's environment starts a fresh interpreter
-#: for it).
-PRELOAD_ENV = "XLA_PERMUTE_PRELOAD"
 _READY_TIMEOUT = 300.0  # seconds for the zygote's imports, on a loaded machine
 
 
@@ -150,12 +144,12 @@ class _Zygote:
             raise ConnectionError("the zygote exited")
         return json.loads(message)
 
-    def fork(self, entry: str, argv: list[str], env: dict[str, str]) -> ForkedProcess:
-        """Fork a process running ``entry`` (``"module:function"``) on ``argv`` (lock held)."""
+    def fork(self, argv: list[str], env: dict[str, str]) -> ForkedProcess:
+        """Fork a process running ``python -m argv[0] argv[1:]`` (lock held)."""
         out_r, out_w = os.pipe()
         err_r, err_w = os.pipe()
         try:
-            request = {"entry": entry, "argv": argv, "env": env, "cwd": os.getcwd()}
+            request = {"argv": argv, "env": env, "cwd": os.getcwd()}
             socket.send_fds(self.sock, [json.dumps(request).encode()], [out_w, err_w])
             pid = self.receive(_READY_TIMEOUT)["pid"]
         except BaseException:
@@ -190,20 +184,17 @@ def _close_zygote() -> None:
             _zygote = None
 
 
-def start_process(
-    entry: str, argv: list[str], env: dict[str, str]
-) -> ForkedProcess | subprocess.Popen:
-    """Start a process that calls ``entry`` (``"module:function"``, e.g. the mesh's
-    ``"xla_permute.mesh.device:main"``) with the strings ``argv``, in environment ``env``:
-    a fork of the zygote (started, or replaced, when needed), or a fresh interpreter when the
-    preload is off, the zygote cannot start, or it is busy with another launch. The function
-    ends the process itself or returns (exit status 0).
+def start_process(command: list[str], env: dict[str, str]) -> ForkedProcess | subprocess.Popen:
+    """Start ``command`` in environment ``env``, as :func:`xla_permute.run_on_mesh`'s
+    ``XLA_PERMUTE_LAUNCHER`` would: ``[sys.executable, "-m", module, *args]`` in a fork of the
+    zygote (started, or replaced, when needed), anything else, or when the zygote cannot start
+    or is busy with another launch, in a fresh interpreter.
 
     Either way the process leads a session of its own (``os.killpg(proc.pid, ...)`` ends it)
     and has text pipes as ``stdout`` and ``stderr``.
     """
     global _zygote
-    if env.get(PRELOAD_ENV, "1").strip() != "0" and hasattr(socket, "send_fds"):
+    if command[:2] == [sys.executable, "-m"] and hasattr(socket, "send_fds"):
         key = _key(env)
         with _zygote_lock:
             stale = _zygote is not None and (_zygote.key != key or _zygote.proc.poll() is not None)
@@ -218,7 +209,7 @@ def start_process(
             zygote = _zygote if _zygote is not None and _zygote.key == key else None
         if zygote is not None and zygote.lock.acquire(blocking=False):
             try:
-                return zygote.fork(entry, argv, env)
+                return zygote.fork(command[2:], env)
             except (OSError, TimeoutError, ValueError):
                 zygote.lock.release()
                 with _zygote_lock:
@@ -226,25 +217,13 @@ def start_process(
                         zygote.close()
                         _zygote = None
     return subprocess.Popen(
-        [sys.executable, "-c", _CALL, entry, *argv],
+        command,
         env=env,
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
         start_new_session=True,
     )
-
-
-_CALL = "import sys; from xla_permute.mesh.preload import _call; _call(sys.argv[1], sys.argv[2:])"
-
-
-def _call(entry: str, argv: list[str]) -> None:
-    """Call ``entry`` (``"module:function"``) with the strings ``argv``: what a started
-    process runs, fork or fresh interpreter."""
-    import importlib
-
-    module, _, name = entry.partition(":")
-    getattr(importlib.import_module(module), name)(*argv)
 
 
 # --------------------------------------------------------------------------- the zygote
@@ -283,7 +262,7 @@ def _zygote_main(fd: int) -> None:
 
 
 def _run_fork(request: dict[str, Any], fds: list[int]) -> None:
-    """In the fork: become what ``python -c _CALL entry *argv`` would be, and run it. Never
+    """In the fork: become what ``python -m module *args`` would be, and run it. Never
     returns."""
     code = 1
     try:
@@ -296,16 +275,17 @@ def _run_fork(request: dict[str, Any], fds: list[int]) -> None:
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
-        sys.argv = ["-c", request["entry"], *request["argv"]]
+        sys.argv = list(request["argv"])
         import random
+        import runpy
 
         random.seed()  # a fresh interpreter's generators differ from launch to launch
         if "numpy" in sys.modules:
             sys.modules["numpy"].random.seed()
-        _call(request["entry"], request["argv"])
+        runpy.run_module(sys.argv[0], run_name="__main__", alter_sys=True)
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = 0 if e.code is None else e.code if isinstance(e.code, int) else 1
     except BaseException:  # noqa: BLE001
         import traceback
 

@@ -3,9 +3,8 @@
 The CPU mesh is what makes collectives testable without an accelerator:
 ``PJRT_DEVICE=CPU CPU_NUM_DEVICES=N`` gives N XLA devices in one process, one thread per
 device. Two settings must be right before torch_xla starts, which is why the mesh always runs
-in a child process of its own that has not imported torch_xla, started with the right
-environment (forked from a process that has imported torch already, :mod:`xla_permute.mesh.preload`,
-which saves about 4 s a launch):
+in a child process of its own (``python -m xla_permute.cpu_mesh.device``, or what
+``XLA_PERMUTE_LAUNCHER`` names: :data:`LAUNCHER_ENV`), started with the right environment:
 
 * ``XLA_THREAD_POOL_SIZE`` must be at least N, or the device threads starve each other at the
   first collective rendezvous and the process aborts;
@@ -30,11 +29,13 @@ variables it uses.
 
 from __future__ import annotations
 
+import importlib
 import io
 import os
 import pickle
 import re
 import signal
+import subprocess
 import sys
 import tempfile
 import time
@@ -45,8 +46,9 @@ from typing import Any
 
 import cloudpickle
 
-from xla_permute.mesh import preload, rank_output
-from xla_permute.mesh import status as mesh_status
+from xla_permute.cpu_mesh import rank_output
+from xla_permute.cpu_mesh import status as mesh_status
+from xla_permute.debug import ENV as DEBUG_ENV
 from xla_permute.pairs import check_int
 
 #: torch_xla's switch for donating updated parameters' buffers (off on the mesh, see
@@ -55,7 +57,16 @@ _ALIASING_ENV = "XLA_ENABLE_PARAM_ALIASING"
 #: XLA's flag for LLVM's optimisation level (0 on the mesh, see :func:`mesh_environment`).
 _OPT_FLAG = "--xla_backend_optimization_level"
 
-__all__ = ["MeshError", "RankError", "mesh_environment", "run_on_mesh"]
+__all__ = ["LAUNCHER_ENV", "MeshError", "RankError", "mesh_environment", "run_on_mesh"]
+
+#: The environment variable that names the function starting the device process,
+#: ``"module:function"``: it is called as ``function(command, env)`` instead of
+#: ``subprocess.Popen(command, env=env, stdout=PIPE, stderr=PIPE, text=True,
+#: start_new_session=True)`` and returns what Popen would (``pid``, text ``stdout`` and
+#: ``stderr`` pipes, ``wait``, ``returncode``, ``with``), for a process leading a session of
+#: its own. Unset or empty (the default): Popen. Read from the launch's environment, so
+#: ``env={"XLA_PERMUTE_LAUNCHER": ""}`` starts one launch plainly.
+LAUNCHER_ENV = "XLA_PERMUTE_LAUNCHER"
 
 #: Seconds after which a mesh run counts as hung (a collective that never completes).
 DEFAULT_TIMEOUT = 300.0
@@ -164,10 +175,8 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
         TF_CPP_MIN_LOG_LEVEL=out.get("TF_CPP_MIN_LOG_LEVEL", "2"),
     )
     # The CPU mesh is where programs are developed: ranks that disagree raise by default.
-    from xla_permute.debug import ENV  # not at the top: debug imports mesh.status
-
-    if not out.get(ENV, "").strip():
-        out[ENV] = "1"
+    if not out.get(DEBUG_ENV, "").strip():
+        out[DEBUG_ENV] = "1"
     # Parameter aliasing deadlocks training loops on a mesh of threads (see the docstring).
     if not out.get(_ALIASING_ENV, "").strip():
         out[_ALIASING_ENV] = "0"
@@ -330,7 +339,7 @@ def run_on_mesh(
     only (the default off the mesh), for timed runs.
 
     What the ranks print (and their warnings) appears here while they run, each line
-    prefixed by its rank (``[rank 2] ...``; :mod:`xla_permute.mesh.rank_output`).
+    prefixed by its rank (``[rank 2] ...``; :mod:`xla_permute.cpu_mesh.rank_output`).
 
     Returns the per-rank return values in rank order. Tensors on an XLA device in them, in
     any container (lists, dicts, named tuples, dataclasses, ...), come back as CPU tensors
@@ -346,7 +355,7 @@ def run_on_mesh(
             (a collective rendezvous abort) or ran over ``timeout`` seconds. For an abort the
             message names the collective, the ranks that waited at it, and for each rank that
             did not arrive whether it was in ``torch_xla.sync()`` (compiling) or in Python, and
-            the last op of this package it called (:mod:`xla_permute.mesh.status`).
+            the last op of this package it called (:mod:`xla_permute.cpu_mesh.status`).
         RankError: a rank raised; the message names the rank and the original error,
             which is also ``__cause__``.
     """
@@ -359,8 +368,8 @@ def run_on_mesh(
     with tempfile.TemporaryDirectory(prefix="xla_permute_mesh_") as tmp:
         payload_path, result_path = Path(tmp, "payload.pkl"), Path(tmp, "result.pkl")
         payload_path.write_bytes(payload)
-        argv = [str(payload_path), str(result_path)]
-        with preload.start_process("xla_permute.mesh.device:main", argv, environment) as proc:
+        command = [sys.executable, "-m", "xla_permute.cpu_mesh.device"]
+        with _start(command + [str(payload_path), str(result_path)], environment) as proc:
             finished, err = rank_output.relay(proc, timeout)
             if not finished:
                 os.killpg(proc.pid, signal.SIGKILL)
@@ -392,6 +401,22 @@ def run_on_mesh(
     raise MeshError(f"The {n}-device mesh could not start {name}:\n{value}")
 
 
+def _start(command: list[str], env: dict[str, str]) -> subprocess.Popen:
+    """Start the device process: Popen, or the function :data:`LAUNCHER_ENV` names."""
+    name = env.get(LAUNCHER_ENV, "").strip()
+    if not name:
+        return subprocess.Popen(
+            command,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+    module, _, function = name.partition(":")
+    return getattr(importlib.import_module(module), function)(command, env)
+
+
 _STUCK = re.compile(
     r"\[id=(\d+)\] This thread has been waiting for `(.+?) RendezvousKey\{.*?op_id=(\d+)\}"
 )
@@ -403,7 +428,7 @@ _TERMINATED = re.compile(
 
 def _diagnose(err: str, directory: str, n: int) -> str:
     """What the abort says and what the ranks were doing: which collective, who waited at it,
-    who never came and where that rank was (:mod:`xla_permute.mesh.status`)."""
+    who never came and where that rank was (:mod:`xla_permute.cpu_mesh.status`)."""
     found = _TERMINATED.search(err)
     if found is None:  # a hang, or a death without XLA's message: where was every rank?
         status, now = mesh_status.read(directory), time.monotonic()

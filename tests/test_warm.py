@@ -1,6 +1,6 @@
-"""The warm process behind run_on_mesh (xla_permute.mesh.preload): a fork of it must be the
-device process a fresh interpreter would be, with the launch's environment, directory and
-output, and a process of its own each time."""
+"""The workshop's warm starter for run_on_mesh (xla_permute_tools.warm): a fork of its zygote
+must be the device process a fresh interpreter would be, with the launch's environment,
+directory and output, and a process of its own each time."""
 
 from __future__ import annotations
 
@@ -13,7 +13,15 @@ import pytest
 import torch
 
 import xla_permute as xp
-from xla_permute.mesh import preload
+from xla_permute_tools import warm
+
+WARM = "xla_permute_tools.warm:start_process"
+
+
+@pytest.fixture(autouse=True)
+def warm_launches(monkeypatch):
+    """Every launch here starts from the warm process (the root conftest sets it too)."""
+    monkeypatch.setenv("XLA_PERMUTE_LAUNCHER", WARM)
 
 
 def what_the_device_process_sees(names):
@@ -61,12 +69,12 @@ def test_a_fork_takes_the_launch_environment_and_directory(tmp_path, monkeypatch
 
 def test_a_variable_read_at_import_gets_a_new_zygote():
     xp.run_on_mesh(what_the_device_process_sees, [], n=2)
-    before = preload._zygote
+    before = warm._zygote
     env = {"XLA_PERMUTE_TEST_VARIABLE": "1"}  # not a launch variable: torch might read it
     out = xp.run_on_mesh(what_the_device_process_sees, list(env), n=2, env=env)
     assert out[0]["env"] == env
-    assert before is not None and preload._zygote is not before
-    assert ("XLA_PERMUTE_TEST_VARIABLE", "1") in preload._zygote.key
+    assert before is not None and warm._zygote is not before
+    assert ("XLA_PERMUTE_TEST_VARIABLE", "1") in warm._zygote.key
 
 
 IMPORT_TORCH_XLA = """
@@ -78,21 +86,22 @@ print(json.dumps(sorted(changed)))
 """
 
 
-def test_importing_torch_xla_changes_only_launch_variables(tmp_path):
+def test_importing_torch_xla_changes_only_launch_variables(tmp_path, monkeypatch):
     """A process that launches, imports torch_xla, and launches again uses one zygote: what
     the import sets is launch variables only (seen in a fork that imports it)."""
-    script = tmp_path / "import_torch_xla.py"
-    script.write_text(IMPORT_TORCH_XLA)
+    (tmp_path / "import_torch_xla.py").write_text(IMPORT_TORCH_XLA)
+    monkeypatch.chdir(tmp_path)  # python -m finds the module in the working directory
     env = {**os.environ, "PJRT_DEVICE": "CPU"}
     for name in ("GRPC_VERBOSITY", "PJRT_DYNAMIC_PLUGINS"):  # set if torch_xla is imported here
         env.pop(name, None)
-    with preload.start_process("runpy:run_path", [str(script)], env) as proc:
+    with warm.start_process([sys.executable, "-m", "import_torch_xla"], env) as proc:
+        assert isinstance(proc, warm.ForkedProcess)
         changed = json.loads(proc.stdout.read())
     assert "GRPC_VERBOSITY" in changed  # the import sets variables ...
-    assert set(changed) <= preload.LAUNCH_VARIABLES  # ... none of which needs a new zygote
+    assert set(changed) <= warm.LAUNCH_VARIABLES  # ... none of which needs a new zygote
 
 
-def test_results_and_errors_are_the_same_with_the_preload_off(monkeypatch):
+def test_results_and_errors_are_the_same_without_the_warm_starter(monkeypatch):
     def rank_gather():
         import torch_xla
         import torch_xla.runtime as xr
@@ -103,21 +112,20 @@ def test_results_and_errors_are_the_same_with_the_preload_off(monkeypatch):
         return xp.all_gather(x, 0).cpu()
 
     started = []
-    start = preload.start_process
-    monkeypatch.setattr(preload, "start_process", lambda *a: started.append(start(*a)) or
+    start = warm.start_process
+    monkeypatch.setattr(warm, "start_process", lambda *a: started.append(start(*a)) or
                         started[-1])  # fmt: skip
     outcomes = []
-    for value in ("1", "0"):
-        monkeypatch.setenv(preload.PRELOAD_ENV, value)
+    for value in (WARM, ""):  # the warm starter, then the library's own (Popen)
+        monkeypatch.setenv("XLA_PERMUTE_LAUNCHER", value)
         with pytest.raises(xp.RankError, match="rank 1 of 2 raised ValueError: rank 1 says no"):
             xp.run_on_mesh(rank_gather, n=2)
         outcomes.append(xp.run_on_mesh(what_the_device_process_sees, [], n=2))
-    assert [type(p) for p in started] == [preload.ForkedProcess] * 2 + [subprocess.Popen] * 2
+    assert [type(p) for p in started] == [warm.ForkedProcess] * 2
     for a, b in zip(*outcomes, strict=True):
         assert torch.equal(a["x"], b["x"]) and a["world"] == b["world"]
-    # Off for one launch only: the switch is read from the launch's environment.
-    monkeypatch.setenv(preload.PRELOAD_ENV, "1")
-    with start("os:getpid", [], {**os.environ, preload.PRELOAD_ENV: "0"}) as proc:
+    # What is not python -m starts a fresh interpreter.
+    with start([sys.executable, "-c", "import os"], dict(os.environ)) as proc:
         assert isinstance(proc, subprocess.Popen) and proc.wait(timeout=60) == 0
 
 

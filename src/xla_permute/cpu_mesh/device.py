@@ -1,10 +1,10 @@
 """The device process of the CPU mesh: one thread per device runs the call, results go home.
 
-:func:`main` is what :func:`xla_permute.mesh.launch.run_on_mesh` starts (forked from the warm
-process of :mod:`xla_permute.mesh.preload`): it guards every rank's ``torch_xla.sync()``
-(:func:`guard_syncs`), runs the pickled call once per device thread, each rank with its own
-unpickled copy of it, and writes the per-rank results (or the first rank's error) to the
-launch's result file, where the caller reads them.
+:func:`xla_permute.run_on_mesh` starts ``python -m xla_permute.cpu_mesh.device PAYLOAD RESULT``,
+which runs :func:`main`: it guards every rank's ``torch_xla.sync()`` (:func:`guard_syncs`),
+records what each rank is doing (:mod:`~xla_permute.cpu_mesh.status`), runs the pickled call
+once per device thread, each rank with its own unpickled copy of it, and writes the per-rank
+results (or the first rank's error) to the launch's result file, where the caller reads them.
 """
 
 from __future__ import annotations
@@ -18,8 +18,11 @@ import traceback
 from pathlib import Path
 from typing import Any
 
-from xla_permute.mesh import rank_output
-from xla_permute.mesh import status as mesh_status
+import torch
+
+from xla_permute import debug
+from xla_permute.cpu_mesh import rank_output
+from xla_permute.cpu_mesh import status as mesh_status
 
 __all__ = ["SYNC_GUARD_ENV", "guard_syncs", "main"]
 
@@ -32,8 +35,6 @@ class _ResultPickler(pickle.Pickler):
     """Pickles results with every tensor on a device as a detached CPU tensor."""
 
     def reducer_override(self, obj: Any) -> Any:
-        import torch
-
         if isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
             return obj.detach().cpu().__reduce_ex__(pickle.DEFAULT_PROTOCOL)
         return NotImplemented
@@ -98,9 +99,8 @@ def guard_syncs() -> None:
     (tests/test_mesh_programs.py has the reproducer, in torch_xla alone). With one pending
     scalar on the rank's device the sync locks that device only. The scalar is one more
     output of each step's program, the same on every rank. The sync also records this rank's
-    time in it (:mod:`xla_permute.mesh.status`).
+    time in it (:mod:`xla_permute.cpu_mesh.status`).
     """
-    import torch
     import torch_xla
 
     step_marker = torch_xla._XLAC._xla_step_marker
@@ -121,6 +121,7 @@ def main(payload_path: str, result_path: str) -> None:
     global _result_path
     _result_path = Path(result_path)
     mesh_status.start(_result_path.parent)
+    debug.on_op(mesh_status.note_op)
     rank_output.install()
     try:
         payload = Path(payload_path).read_bytes()
@@ -143,3 +144,7 @@ def main(payload_path: str, result_path: str) -> None:
         stream.close_lines()
     # Skip interpreter teardown: XLA's runtime threads can crash an orderly exit.
     os._exit(0)
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:])

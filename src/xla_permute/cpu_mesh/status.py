@@ -1,0 +1,81 @@
+"""What each rank of the CPU mesh is doing, kept where the launcher can read it after an abort.
+
+XLA:CPU ends the device process with SIGABRT when a collective's ranks arrive more than 15 s
+apart, and the process's Python state dies with it. So each rank keeps one line about itself
+in a file of the launch's directory: where it is (``sync`` inside ``torch_xla.sync()``, which
+compiles the step's program and dispatches it; ``run`` outside), since when, how long its last
+sync took, and the last op of this package it called (the device process registers
+:func:`note_op` with :func:`xla_permute.debug.on_op`). :func:`~xla_permute.run_on_mesh` reads
+the lines of the ranks that did not arrive and names them in its :class:`~xla_permute.MeshError`.
+
+Until :func:`start` is called (outside the device process) every function here does nothing.
+
+>>> import tempfile
+>>> with tempfile.TemporaryDirectory() as d:
+...     start(d)
+...     set_rank(2); note_op("collective_permute"); enter_sync(); leave_sync()
+...     read(d)[2]["last_op"], read(d)[2]["state"]
+...     start(None)
+('collective_permute', 'run')
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+__all__ = ["enter_sync", "leave_sync", "note_op", "read", "set_rank", "start"]
+
+_directory: Path | None = None
+_local = threading.local()  # per rank: the ranks of the mesh are threads of one process
+
+
+def start(directory: str | os.PathLike | None) -> None:
+    """Keep the ranks' lines in ``directory`` (called once in the device process); None: stop."""
+    global _directory
+    _directory = None if directory is None else Path(directory)
+
+
+def _write(**changes: Any) -> None:
+    line = getattr(_local, "line", None)
+    if _directory is None or line is None:
+        return
+    line.update(changes)
+    (_directory / f"rank{line['rank']}.json").write_text(json.dumps(line))
+
+
+def set_rank(rank: int) -> None:
+    """Bind this thread to ``rank`` and write its first line."""
+    _local.line = {"rank": rank, "state": "run", "since": time.monotonic(), "sync_s": 0.0}
+    _write(last_op="", calls=0)
+
+
+def note_op(op: str) -> None:
+    """Record that this rank called ``op``."""
+    line = getattr(_local, "line", None)
+    _write(last_op=op, calls=line["calls"] + 1 if line else 0)
+
+
+def enter_sync() -> None:
+    _write(state="sync", since=time.monotonic())
+
+
+def leave_sync() -> None:
+    line, now = getattr(_local, "line", None), time.monotonic()
+    _write(state="run", since=now, sync_s=now - line["since"] if line else 0.0)
+
+
+def read(directory: str | os.PathLike) -> dict[int, dict[str, Any]]:
+    """The last line of every rank in ``directory``: rank -> its fields."""
+    out = {}
+    for path in Path(directory).glob("rank*.json"):
+        try:
+            line = json.loads(path.read_text())
+        except ValueError:  # a line being written when the process died
+            continue
+        out[line["rank"]] = line
+    return out
