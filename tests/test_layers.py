@@ -162,8 +162,8 @@ def _backends_asked(strategy, x, g):
             recording.records = True
             backend.get_backend = recording
     r, n, device = xr.global_ordinal(), xr.world_size(), torch_xla.device()
-    kw = dict(strategy=strategy, backend="emulated", dim=0, device=device)
-    col, row = ColumnParallelLinear(4, 8, **kw), RowParallelLinear(8, 4, **kw)
+    kw = dict(strategy=strategy, backend="emulated", dim=0)
+    col, row = ColumnParallelLinear(4, 8, **kw).to(device), RowParallelLinear(8, 4, **kw).to(device)
     _ASKED.names = []
     xr_ = x.chunk(n)[r].to(device).requires_grad_()
     y = row(col(xr_))

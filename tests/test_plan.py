@@ -72,20 +72,15 @@ def _unit_modules(n: int) -> dict:
         for lin, rows in ((q, slice(0, 32)), (k, slice(32, 40)), (v, slice(40, 48))):
             lin.weight.copy_(qkv.weight[rows])
             lin.bias.copy_(qkv.bias[rows])
-    pair = [nn.Linear(4, 2 * n) for _ in "ab"]
     return {
         "attention": (qkv, q, k, v, o),
-        "pair": pair,
         "emb": nn.Embedding(4 * n, 3, padding_idx=1),
     }
 
 
 def _units(dev: torch.device, modules: dict) -> dict:
     """The pieces on their own, against plain torch on the same rank: a fused qkv projection,
-    the loss with ignored tokens, a shared ring whose members read different inputs, an
-    embedding's padding row."""
-    import warnings
-
+    the loss with ignored tokens, an embedding's padding row."""
     import torch_xla.runtime as xr
 
     n, r = xr.world_size(), xr.global_ordinal()
@@ -109,16 +104,6 @@ def _units(dev: torch.device, modules: dict) -> dict:
     want.backward()
     out["loss"] = abs(loss.item() - want.item())
     out["loss grad"] = (mine.grad.cpu() - whole.grad[..., r * 8 : (r + 1) * 8]).abs().max().item()
-    # A shared ring whose members are called with different inputs: right results, unshared
-    # (its warning is checked on the host: rank threads cannot catch warnings apart).
-    a, b = (xp.ColumnParallelLinear.from_linear(lin).to(dev) for lin in modules["pair"])
-    xp.share_ring([a, b])
-    x1, x2 = (torch.full((1, 2, 4), float(i), device=dev) for i in (1, 2))
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        got = [a(x1), b(x2)]
-    want_b = xp.all_gather_matmul(x2, b.weight.T, dim=1) + b.bias
-    out["ring mismatch"] = ((got[1] - want_b).abs().max().item(), b.ring is None)
     # An embedding with a padding row: the same lookup, no gradient for that row.
     emb = modules["emb"]
     par = xp.VocabParallelEmbedding.from_embedding(emb, output="replicated").to(dev)
@@ -178,13 +163,11 @@ def test_every_matmul_of_a_block_is_a_ring(mesh4):
         assert baseline == {"all-gather": 2 * layers + 1, "reduce-scatter": 2 * layers + 1}
 
 
-def test_fused_qkv_the_sharded_loss_a_split_ring_and_padding_equal_plain_torch(mesh4):
+def test_fused_qkv_the_sharded_loss_and_padding_equal_plain_torch(mesh4):
     for rank in mesh4:
         u = rank["units"]
         assert u["fused qkv"] < 1e-6
         assert u["loss"] < 1e-6 and u["loss grad"] < 1e-6
-        gap, unshared = u["ring mismatch"]
-        assert gap == 0 and unshared
         assert u["embedding"] == 0 and u["padding grad"] == 0
 
 
@@ -250,8 +233,11 @@ def test_each_rank_holds_its_slices_of_the_weights(rank):
     assert torch.equal(attn.k_proj.weight, ref.self_attn.k_proj.weight.chunk(2)[kv])
     assert attn.kv_groups == [[0, 1], [2, 3]]
     assert torch.equal(attn.o_proj.weight, ref.self_attn.o_proj.weight.chunk(4, 1)[rank])
-    assert torch.equal(layer.mlp.down_proj.weight, ref.mlp.down_proj.weight.chunk(4, 1)[rank])
-    assert layer.mlp.gate_proj.ring is layer.mlp.up_proj.ring is not None  # one ring for both
+    mlp = layer.mlp  # gate and up on one ring: Hugging Face's MLP became a GatedMLP
+    assert isinstance(mlp, xp.GatedMLP) and mlp.gate.strategy == "ring"
+    assert torch.equal(mlp.gate.weight, ref.mlp.gate_proj.weight.chunk(4)[rank])
+    assert torch.equal(mlp.up.weight, ref.mlp.up_proj.weight.chunk(4)[rank])
+    assert torch.equal(mlp.down.weight, ref.mlp.down_proj.weight.chunk(4, 1)[rank])
     emb = model.model.embed_tokens
     assert torch.equal(emb.weight, full.model.embed_tokens.weight.chunk(4)[rank])
     assert torch.equal(model.lm_head.weight, full.lm_head.weight.chunk(4)[rank])
@@ -335,24 +321,3 @@ def test_the_vocab_parallel_loss_refuses_mismatched_targets():
         xp.vocab_parallel_cross_entropy(logits, torch.zeros(2, 4, dtype=torch.long))
     with pytest.raises(TypeError, match="integer tensor"):
         xp.vocab_parallel_cross_entropy(logits, torch.zeros(2, 3))
-
-
-def test_a_shared_ring_called_with_two_inputs_warns_and_stops_sharing(monkeypatch):
-    import xla_permute.tensor_parallel.layers as layers
-
-    calls = []
-
-    def column(members, x):  # the ring, as plain matmuls
-        calls.append(len(members))
-        return tuple(x @ m.weight.T for m in members)
-
-    monkeypatch.setattr(layers, "_column", column)
-    a, b = (xp.ColumnParallelLinear(4, 8, bias=False, world_size=4, rank=0) for _ in "ab")
-    xp.share_ring([a, b])
-    x1, x2 = torch.ones(1, 2, 4), torch.full((1, 2, 4), 2.0)
-    assert torch.equal(a(x1), x1 @ a.weight.T) and torch.equal(b(x1), x1 @ b.weight.T)
-    assert calls == [2]  # one ring for both
-    a(x1)
-    with pytest.warns(UserWarning, match="called with different inputs"):
-        assert torch.equal(b(x2), x2 @ b.weight.T)
-    assert a.ring is None and b.ring is None and calls == [2, 2, 1]

@@ -86,14 +86,13 @@ from xla_permute.sequence import shard_sequence, unshard_sequence
 from xla_permute.tensor_parallel.heads import ParallelAttention
 
 # The tensor-parallel layers on collective matmul
-from xla_permute.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, share_ring
+from xla_permute.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 # MLP blocks on the tensor-parallel layers
 from xla_permute.tensor_parallel.mlp import GatedMLP, SequenceParallelMLP, relu_product, swiglu
 
 # A model made tensor-parallel by a plan (PyTorch's parallelize_module, on these layers)
-from xla_permute.tensor_parallel.parallelize import parallelize_module
-from xla_permute.tensor_parallel.styles import HeadwiseParallel
+from xla_permute.tensor_parallel.parallelize import HeadwiseParallel, parallelize_module
 
 # Vocabulary parallelism: embedding and cross-entropy over vocabulary shards
 from xla_permute.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
@@ -180,7 +179,6 @@ __all__ = [
     "schedule_work",
     "SequenceParallelMLP",
     "shard_sequence",
-    "share_ring",
     "shift_pairs",
     "split_layers",
     "stage_shift",

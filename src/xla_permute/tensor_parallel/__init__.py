@@ -2,12 +2,11 @@
 that puts them into a model you already have.
 
 * :mod:`~xla_permute.tensor_parallel.layers`: column- and row-parallel linears (Megatron's,
-  with and without sequence parallelism), rings shared by sibling layers;
+  with and without sequence parallelism);
 * :mod:`~xla_permute.tensor_parallel.mlp`: MLP blocks, gated or not;
 * :mod:`~xla_permute.tensor_parallel.heads`: attention with its heads split over ranks,
   grouped-query attention and context parallelism included;
 * :mod:`~xla_permute.tensor_parallel.vocab`: vocabulary-parallel embedding and cross-entropy;
 * :mod:`~xla_permute.tensor_parallel.regions`: the collectives of replicated results;
-* :mod:`~xla_permute.tensor_parallel.parallelize` and
-  :mod:`~xla_permute.tensor_parallel.styles`: ``parallelize_module`` and its plan's styles.
+* :mod:`~xla_permute.tensor_parallel.parallelize`: ``parallelize_module`` and its styles.
 """

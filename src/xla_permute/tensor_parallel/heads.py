@@ -42,15 +42,13 @@ import torch
 from torch import nn
 
 from xla_permute.attention import ring_attention
-from xla_permute.backends.select import get_backend
 from xla_permute.collectives import sum_gradients
 from xla_permute.pairs import GroupsLike, check_int
 from xla_permute.sequence import check_layout, layout_positions
 from xla_permute.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    _column,
-    _world,
+    _place,
 )
 
 __all__ = ["ParallelAttention", "kv_head_groups"]
@@ -99,11 +97,9 @@ class ParallelAttention(nn.Module):
     """Multi-head attention with its heads split over ranks (module docstring).
 
     Build it with :meth:`from_linears` from the single-device projections. ``forward(x)``
-    returns ``y``; with ``returns_weights=True`` it returns ``(y, None)`` and accepts (and
-    ignores) the keyword arguments of a Hugging Face attention (``position_embeddings``,
-    ``position_ids``, ``cache_position``, ``past_key_values``, and the ``attention_mask`` the
-    model derives for the shard; :func:`~xla_permute.parallelize_module` refuses a model call
-    with a padding mask of the user's), so that it can replace one in place.
+    returns ``y``; with ``returns_weights=True`` (a Hugging Face attention's place) it returns
+    ``(y, None)`` and accepts and ignores that attention's keyword arguments
+    (``position_embeddings``, ``attention_mask`` derived by the model, ...).
     """
 
     def __init__(
@@ -128,8 +124,11 @@ class ParallelAttention(nn.Module):
         self.heads, self.kv_heads, self.head_dim = heads // n, max(1, kv_heads // n), head_dim
         self.position_fn, self.causal = position_fn, bool(causal)
         self.returns_weights = bool(returns_weights)
-        self.context_groups = None if context_groups is None else [list(g) for g in context_groups]
         self.layout = check_layout(layout)
+        self.context_groups = None if context_groups is None else [list(g) for g in context_groups]
+        self.context = None  # (size, position) in the context group, resolved once
+        if context_groups is not None:
+            self.context = _place(context_groups, o.backend, None, None, "ParallelAttention")
 
     @classmethod
     def from_linears(
@@ -148,28 +147,20 @@ class ParallelAttention(nn.Module):
         returns_weights: bool = False,
         context_groups: GroupsLike = None,
         layout: str = "contiguous",
-        groups: GroupsLike = None,
-        backend: str = "auto",
-        world_size: int | None = None,
-        rank: int | None = None,
         **layer_options: Any,
     ) -> ParallelAttention:
         """This rank's heads of the attention whose projections are ``q, k, v, o`` (or one fused
         ``qkv`` Linear, its rows ``[q | k | v]``, and ``o``): nn.Linear layouts, ``[out, in]``.
 
-        ``layer_options``: ``strategy``, ``bidirectional``, ``sequence_parallel``, ``dim`` of
-        :class:`~xla_permute.ColumnParallelLinear` (shared by all four projections).
+        ``layer_options``: of :class:`~xla_permute.ColumnParallelLinear` (``strategy``,
+        ``dim``, ``groups``, ``backend``, ``world_size``, ``rank``, ...), for all four.
         """
         kv_heads = heads if kv_heads is None else kv_heads
-        n, r = _world(world_size, rank, groups, backend)
-        kv_groups = kv_head_groups(heads, kv_heads, n, groups)
         if qkv is not None:
             if q is not None or k is not None or v is not None:
                 raise ValueError("pass either q, k, v or a fused qkv, not both")
             hd = head_dim or qkv.out_features // (heads + 2 * kv_heads)
             q, k, v = _split_fused(qkv, heads * hd, kv_heads * hd)
-        if q is None or k is None or v is None or o is None:
-            raise ValueError("from_linears needs q, k, v (or qkv) and o, each an nn.Linear")
         for name, lin in (("q", q), ("k", k), ("v", v), ("o", o)):
             if not isinstance(lin, nn.Linear):
                 raise TypeError(f"{name} must be an nn.Linear, got {type(lin).__name__}")
@@ -180,18 +171,18 @@ class ParallelAttention(nn.Module):
                     f"{name}.out_features = {lin.out_features} is not {count} heads of "
                     f"head_dim {hd}; pass heads=, kv_heads= and head_dim= of this attention"
                 )
-        comm = dict(groups=groups, backend=backend, world_size=n, rank=r, **layer_options)
-        parts = [ColumnParallelLinear.from_linear(q, **comm)]
-        if kv_groups is None:
-            parts += [ColumnParallelLinear.from_linear(x, **comm) for x in (k, v)]
+        out = RowParallelLinear.from_linear(o, **layer_options)
+        n, r = out.world_size, out.rank
+        options = {**layer_options, "world_size": n, "rank": r}
+        parts = [ColumnParallelLinear.from_linear(q, **options)]
+        if kv_head_groups(heads, kv_heads, n, out.groups) is None:
+            parts += [ColumnParallelLinear.from_linear(t, **options) for t in (k, v)]
         else:  # this rank's one KV head, whole: the head of its query heads
             head = r * (heads // n) // (heads // kv_heads)
-            parts += [_head(x, head, hd) for x in (k, v)]
-        out = RowParallelLinear.from_linear(o, **comm)
-        device = q.weight.device
+            parts += [_head(t, head, hd) for t in (k, v)]
         return cls(
-            [p.to(device) for p in parts],
-            out.to(device),
+            [p.to(q.weight.device) for p in parts],
+            out.to(q.weight.device),
             heads=heads,
             kv_heads=kv_heads,
             head_dim=hd,
@@ -201,12 +192,6 @@ class ParallelAttention(nn.Module):
             context_groups=context_groups,
             layout=layout,
         )
-
-    def _kv_weights(self) -> list[torch.Tensor | None]:
-        """The KV copies' weights and biases, their gradients summed over the copies' ranks."""
-        tensors = [self.k_proj.weight, self.k_proj.bias, self.v_proj.weight, self.v_proj.bias]
-        comm = dict(groups=self.kv_groups, backend=self.o_proj.backend)
-        return [None if t is None else sum_gradients(t, **comm) for t in tensors]
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """``[B, S/N, H] -> [B, S/N, H]`` (``[B, S, H]`` without sequence parallelism)."""
@@ -222,23 +207,15 @@ class ParallelAttention(nn.Module):
             t.view(b, s, h, self.head_dim).transpose(1, 2)
             for t, h in zip(qkv, (self.heads, self.kv_heads, self.kv_heads), strict=True)
         )
-        if self.context_groups is None:
+        if self.context is None:
             positions = torch.arange(s)
         else:
-            size, position, _ = get_backend(self.o_proj.backend).position(self.context_groups)
-            positions = layout_positions(size, position, self.layout, s)
+            positions = layout_positions(*self.context, self.layout, s)
         if self.position_fn is not None:
             q, k = self.position_fn(q, k, positions.to(x.device))
-        if self.context_groups is not None:
-            out = ring_attention(
-                q,
-                k,
-                v,
-                causal=self.causal,
-                layout=self.layout,
-                groups=self.context_groups,
-                backend=self.o_proj.backend,
-            )
+        if self.context is not None:
+            comm = dict(groups=self.context_groups, backend=self.o_proj.backend)
+            out = ring_attention(q, k, v, causal=self.causal, layout=self.layout, **comm)
         else:
             group = self.heads // self.kv_heads
             k, v = (t.repeat_interleave(group, dim=1) if group > 1 else t for t in (k, v))
@@ -247,12 +224,16 @@ class ParallelAttention(nn.Module):
         return (y, None) if self.returns_weights else y
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k, v for the whole sequence on one ring (weights of KV copies summed backward)."""
-        if self.kv_groups is None:
-            return _column([self.q_proj, self.k_proj, self.v_proj], x)
-        wk, bk, wv, bv = self._kv_weights()
-        params = [(self.q_proj.weight, self.q_proj.bias), (wk, bk), (wv, bv)]
-        return _column([self.q_proj], x, params)
+        """q, k, v for the whole sequence on one ring; the gradients of KV copies (heads held
+        whole by several ranks) summed over their ranks."""
+        params = [(p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)]
+        if self.kv_groups is not None:
+            comm = dict(groups=self.kv_groups, backend=self.o_proj.backend)
+            params[1:] = [
+                tuple(None if t is None else sum_gradients(t, **comm) for t in p)
+                for p in params[1:]
+            ]
+        return self.q_proj.fused(x, params)
 
     def extra_repr(self) -> str:
         kv = "" if self.kv_groups is None else f", kv copies summed over {self.kv_groups}"

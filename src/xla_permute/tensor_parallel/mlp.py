@@ -1,8 +1,8 @@
 """MLP blocks on the tensor-parallel layers, sequence parallel: ``[B, S/N, H] -> [B, S/N, H]``.
 
 * :class:`SequenceParallelMLP`: column-parallel, activation, row-parallel.
-* :class:`GatedMLP`: ``down(activation(gate(x), up(x)))`` with gate and up sharing one
-  all-gather ring (x travels once): SwiGLU (:func:`swiglu`) or the PoC's :func:`relu_product`.
+* :class:`GatedMLP`: ``down(activation(gate(x), up(x)))``, gate and up on one all-gather ring
+  (x travels once): SwiGLU (:func:`swiglu`) or the PoC's :func:`relu_product`.
 
 The layers, their ``strategy`` and their backward are in :mod:`xla_permute.tensor_parallel.layers`.
 """
@@ -18,7 +18,6 @@ from torch import nn
 from xla_permute.tensor_parallel.layers import (
     ColumnParallelLinear,
     RowParallelLinear,
-    _column,
     _ParallelLinear,
 )
 
@@ -94,11 +93,11 @@ class SequenceParallelMLP(nn.Module):
 class GatedMLP(nn.Module):
     """Gated transformer MLP, sequence parallel: ``[B, S/N, H] -> [B, S/N, H]``.
 
-    ``y = down(activation(gate(x), up(x)))``: gate and up are column-parallel and share one
-    all-gather ring (x travels once, :func:`~xla_permute.matmul.all_gather_matmul` with two
-    weights), the activation acts on this rank's ``ffn/N`` columns of both, down is
-    row-parallel. ``activation(a, b)``: :func:`swiglu` (``silu(a) * b``, the default) or
-    :func:`relu_product` (``relu(a * b)``, the upstream PoC's).
+    ``y = down(activation(gate(x), up(x)))``: gate and up are column-parallel, computed on
+    one ring by ``gate``'s setting (x travels once: :meth:`ColumnParallelLinear.fused
+    <xla_permute.ColumnParallelLinear.fused>`), the activation acts on this rank's ``ffn/N``
+    columns of both, down is row-parallel. ``activation(a, b)``: :func:`swiglu`
+    (``silu(a) * b``, the default) or :func:`relu_product` (``relu(a * b)``, the PoC's).
     """
 
     def __init__(
@@ -109,18 +108,8 @@ class GatedMLP(nn.Module):
         activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
     ) -> None:
         super().__init__()
-        same = (
-            "in_features",
-            "out_features",
-            "dim",
-            "strategy",
-            "bidirectional",
-            "groups",
-            "backend",
-            "world_size",
-            "rank",
-        )
-        differ = [a for a in same if getattr(gate, a) != getattr(up, a)]
+        same = "in_features out_features dim strategy bidirectional groups backend world_size rank"
+        differ = [a for a in same.split() if getattr(gate, a) != getattr(up, a)]
         if differ:
             raise ValueError(f"GatedMLP: gate and up must agree on {differ} to share a ring")
         _check_chain("GatedMLP", "gate", gate, "down", down)
@@ -146,5 +135,6 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``down(activation(gate(x), up(x)))``: ``[..., S/N, H] -> [..., S/N, H]``."""
-        a, b = _column([self.gate, self.up], x)
+        gate, up = self.gate, self.up
+        a, b = gate.fused(x, [(gate.weight, gate.bias), (up.weight, up.bias)])
         return self.down(self.activation(a, b))

@@ -25,7 +25,7 @@ from xla_permute.backends.select import check_tensor
 from xla_permute.collectives import all_gather, all_reduce, reduce_scatter
 from xla_permute.pairs import GroupsLike, check_dim, check_int
 from xla_permute.reference import accumulation_dtype
-from xla_permute.tensor_parallel.layers import _world
+from xla_permute.tensor_parallel.layers import _place
 from xla_permute.tensor_parallel.regions import reduce_replicated
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
@@ -73,7 +73,8 @@ class VocabParallelEmbedding(nn.Module):
             raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         self.groups = None if groups is None else [list(g) for g in groups]
         self.backend, self.output, self.dim = backend, output, check_int(dim, "dim", 0)
-        self.world_size, self.rank = _world(world_size, rank, self.groups, backend)
+        what = type(self).__name__
+        self.world_size, self.rank = _place(self.groups, backend, world_size, rank, what)
         block = _vocab_block(num_embeddings, self.world_size, "num_embeddings")
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.start = self.rank * block
