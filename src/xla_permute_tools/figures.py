@@ -23,7 +23,7 @@ try:
     from matplotlib.patches import FancyArrowPatch, FancyBboxPatch, Patch
     from matplotlib.text import Text
 except ModuleNotFoundError as e:  # the optional dependency: name the extra that installs it
-    if e.name != "matplotlib":
+    if (e.name or "").partition(".")[0] != "matplotlib":
         raise
     raise ModuleNotFoundError(
         "xla_permute_tools.figures needs matplotlib, which is not installed: "
