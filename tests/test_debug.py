@@ -130,9 +130,10 @@ def test_a_list_of_strings_travels_as_text():
 
 
 class _TwoRanks:
-    """A backend whose other rank passes ``other``'s signature (or this rank's)."""
+    """A backend whose other rank passes ``other``'s signature (or this rank's); named as
+    c10d's, it asks no XLA runtime whether it is tracing."""
 
-    name = "emulated"
+    name = "c10d"
 
     def __init__(self, other=None):
         self.other, self.gathered = other, 0

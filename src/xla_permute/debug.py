@@ -1,10 +1,9 @@
 """Agreement checks: before a collective, check that every rank passes the same arguments.
 
 XLA does not check that the ranks of a collective agree: a rank that passes a longer tensor,
-another dtype or other pairs makes the others read garbage or wait forever. A check
-all-gathers a small signature of the call (the op, every tensor's shape and dtype, the pairs,
-groups, backend and options) and compares the ranks' signatures on the host. If two differ,
-every rank raises :class:`DisagreementError`, naming the ranks and what differs::
+another dtype or other pairs makes the others read garbage or wait forever. A check gathers
+the call's signature (op, shapes, dtypes, pairs, groups, backend, options) from every rank; if
+two differ, every rank raises :class:`DisagreementError`, naming the ranks and what differs::
 
     collective_permute: the ranks disagree on x.shape: rank 1 passes (3,), ranks 0, 2, 3 pass (2,)
 
@@ -12,25 +11,19 @@ How often is the check level (:data:`LEVELS`), set by ``XLA_PERMUTE_DEBUG`` or, 
 ``with xla_permute.debug_mode(level):``:
 
 * ``"sampled"`` (the default; ``XLA_PERMUTE_DEBUG`` unset or ``0``): each op is checked at its
-  1st, 2nd, 4th, 8th, ... call on a rank, so a mistake present from the start (a rank passing
-  bfloat16, uneven shards) raises at the first call, and a training loop pays almost nothing
-  after its first step (the bench measures it). The ranks call each op equally often, so
-  they all decide alike whether a call is checked. On every backend: TPU, Neuron, ``c10d``.
-* ``"every"``, the **debug mode** (``XLA_PERMUTE_DEBUG=1``): every call is checked. On by
-  default in the device process of :func:`xla_permute.run_on_mesh` (the CPU mesh, where
-  programs are written) unless the caller sets the variable. PyTorch's
-  ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` for this package.
+  1st, 2nd, 4th, 8th, ... call on a rank (the ranks call each op equally often, so they all
+  decide alike), so a mistake present from the start (a rank passing bfloat16, uneven shards)
+  raises at the first call, and a training loop pays almost nothing after its first step.
+* ``"every"``, the **debug mode** (``XLA_PERMUTE_DEBUG=1``, PyTorch's
+  ``TORCH_DISTRIBUTED_DEBUG=DETAIL``): every call is checked; the default in the device
+  process of :func:`xla_permute.run_on_mesh` (the CPU mesh, where programs are written).
 * ``"off"`` (``XLA_PERMUTE_DEBUG=none``): no check at all, to measure what the checks cost.
 
-A check costs one small all-gather (``backend.gather_rows``), executed at once, in a program
-of its own on a fresh collective token, so it is never part of the traced program; inside
-:func:`xla_permute.hlo.tracing` (traced, never run) it is skipped. Only the forward of an op
-is checked: its backward follows from it.
-
-The signature is the call as text, ``name=value`` lines, sent as :data:`SIGNATURE_INTS`
-int32 values (the all-gather itself must agree: one length for every call; Neuron takes no
-64-bit collectives). A value longer than :data:`MAX_VALUE` characters is cut, with a
-checksum of the whole.
+A check is one small all-gather (``backend.gather_rows``) of the call's text, ``name=value``
+lines, as :data:`SIGNATURE_INTS` int32 values (one length for every call: the all-gather
+itself must agree; Neuron takes no 64-bit collectives), executed at once in a program of its
+own, never part of the traced program; inside :func:`xla_permute.hlo.tracing` it is skipped.
+Only the forward of an op is checked: its backward follows from it.
 
 >>> rows = [signature("op", {"x.shape": s}) for s in [(2, 3), (3, 3)]]
 >>> describe_disagreement(rows)
@@ -160,17 +153,16 @@ def signature(op: str, fields: Mapping[str, Any]) -> list[int]:
     return list(struct.unpack(f"<{SIGNATURE_INTS}i", data.ljust(4 * SIGNATURE_INTS, b"\0")))
 
 
-def _ranks(ranks: Sequence[int]) -> str:
-    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
-
-
 def _by_value(values: Sequence[str], verbs: tuple[str, str] = ("passes", "pass")) -> str:
     """``rank 1 passes a, ranks 0, 2 pass b``: the ranks by value, the fewest ranks first."""
     ranks: dict[str, list[int]] = {}
     for r, v in enumerate(values):
         ranks.setdefault(v, []).append(r)
     order = sorted(ranks.items(), key=lambda kv: (len(kv[1]), kv[1][0]))
-    return ", ".join(f"{_ranks(rs)} {verbs[len(rs) > 1]} {v}" for v, rs in order)
+    return ", ".join(
+        f"rank{'s' * (len(rs) > 1)} {', '.join(map(str, rs))} {verbs[len(rs) > 1]} {v}"
+        for v, rs in order
+    )
 
 
 def describe_disagreement(rows: Sequence[Sequence[int]]) -> str | None:
@@ -201,16 +193,11 @@ def agree(
 
     ``tensors``: name -> a tensor (its ``name.shape`` and ``name.dtype`` are compared), or a
     list of tensors (their shapes, and the first one's dtype). ``options``: name -> what every
-    rank must pass alike (ints, bools, strings, dtypes, pairs and groups are shown as they
-    are). Call it after the argument checks and before the first collective (and before any
-    shortcut that skips the collective, such as an empty tensor).
-
-    ``error``: a check that failed on this rank alone; by default the first tensor that is not
-    on this rank's device (``backend.device_error``). This rank joins the check, then raises
-    ``error``; the other ranks raise :class:`DisagreementError` instead of waiting for it in
-    the collective. ``backend``'s ``gather_rows`` carries the check: on XLA a program of its
-    own (a channel id of its own, a fresh token), on ``c10d`` an all-gather on the default
-    process group.
+    rank must pass alike. Call it after the argument checks and before the first collective
+    (and before any shortcut that skips it, such as an empty tensor). ``error``: a check that
+    failed on this rank alone (by default a tensor not on this rank's device,
+    ``backend.device_error``): this rank joins the check, then raises ``error``; the others
+    raise :class:`DisagreementError` instead of waiting for it in the collective.
     """
     check_not_compiling(op)
     if _op_hook is not None:

@@ -51,7 +51,6 @@ _failure_lock = threading.Lock()
 
 
 def _write_result(status: str, value: Any) -> None:
-    assert _result_path is not None
     _result_path.write_bytes(_result_bytes((status, value)))
 
 
@@ -89,17 +88,14 @@ def _run_rank(payload: bytes) -> Any:
 
 
 def guard_syncs() -> None:
-    """Give every rank's ``torch_xla.sync()`` a pending scalar on the rank's own device.
+    """Give every rank's ``torch_xla.sync()`` a pending scalar on the rank's own device, and
+    record the rank's time in it (:mod:`xla_permute.cpu_mesh.status`).
 
-    torch_xla 2.9 waits, in a sync with nothing to run, for the device lock of a
-    default-constructed device: ``CPU:0``, rank 0's device on the mesh. While rank 0 executes a
-    collective (its lock held until the collective ends), a rank whose sync is empty (it
-    dropped its results, or every call since its last sync was refused) blocks there instead
-    of reaching the collective, and XLA:CPU aborts the process after 15 s
-    (tests/test_mesh_programs.py has the reproducer, in torch_xla alone). With one pending
-    scalar on the rank's device the sync locks that device only. The scalar is one more
-    output of each step's program, the same on every rank. The sync also records this rank's
-    time in it (:mod:`xla_permute.cpu_mesh.status`).
+    torch_xla 2.9 waits, in a sync with nothing to run, for the lock of ``CPU:0``, rank 0's
+    device, which rank 0 holds while it executes a collective: the rank never reaches that
+    collective and XLA:CPU aborts after 15 s (caveat ``empty-sync-device-lock``; the
+    reproducer is in tests/test_mesh_programs.py). With the scalar, the sync locks the rank's
+    own device only.
     """
     import torch_xla
 

@@ -14,11 +14,6 @@ The ranks are threads of one process: the global torch RNG and module-level stat
 between them, so a rank function should build its data from its rank or from a per-rank
 ``torch.Generator``.
 
-The rank function travels to the device process with ``cloudpickle``: a function that the child
-can import (a module's top-level function) goes by reference; one defined in a notebook cell, a
-REPL, a script's ``__main__``, a closure or a lambda goes by value, with the globals and closure
-variables it uses.
-
 >>> import xla_permute as xp
 >>> def world_and_rank():
 ...     import torch_xla.runtime as xr
@@ -51,21 +46,12 @@ from xla_permute.cpu_mesh import status as mesh_status
 from xla_permute.debug import ENV as DEBUG_ENV
 from xla_permute.pairs import check_int
 
-#: torch_xla's switch for donating updated parameters' buffers (off on the mesh, see
-#: :func:`mesh_environment`).
-_ALIASING_ENV = "XLA_ENABLE_PARAM_ALIASING"
-#: XLA's flag for LLVM's optimisation level (0 on the mesh, see :func:`mesh_environment`).
-_OPT_FLAG = "--xla_backend_optimization_level"
-
 __all__ = ["LAUNCHER_ENV", "MeshError", "RankError", "mesh_environment", "run_on_mesh"]
 
-#: The environment variable that names the function starting the device process,
-#: ``"module:function"``: it is called as ``function(command, env)`` instead of
-#: ``subprocess.Popen(command, env=env, stdout=PIPE, stderr=PIPE, text=True,
-#: start_new_session=True)`` and returns what Popen would (``pid``, text ``stdout`` and
-#: ``stderr`` pipes, ``wait``, ``returncode``, ``with``), for a process leading a session of
-#: its own. Unset or empty (the default): Popen. Read from the launch's environment, so
-#: ``env={"XLA_PERMUTE_LAUNCHER": ""}`` starts one launch plainly.
+#: Names the function that starts the device process, ``"module:function"``, called as
+#: ``function(command, env)`` instead of ``Popen(command, env=env, stdout=PIPE, stderr=PIPE,
+#: text=True, start_new_session=True)`` and returning what Popen would. Unset or empty (the
+#: default): Popen. Read from the launch's environment (``env={LAUNCHER_ENV: ""}``: Popen).
 LAUNCHER_ENV = "XLA_PERMUTE_LAUNCHER"
 
 #: Seconds after which a mesh run counts as hung (a collective that never completes).
@@ -86,9 +72,6 @@ _MISMATCH_HINT = (
     "deadlock the device threads (caveat param-aliasing-deadlock, tutorial 13): leave it "
     "unset or set XLA_ENABLE_PARAM_ALIASING=0."
 )
-
-#: Variables that the mesh sets itself; ``env`` may not contradict them.
-_MESH_VARIABLES = ("PJRT_DEVICE", "CPU_NUM_DEVICES")
 
 
 class MeshError(RuntimeError):
@@ -115,11 +98,10 @@ def _check_env(n: int, env: object) -> dict[str, str]:
                 f"env[{key!r}] = {value!r}: environment names and values must be str, e.g. "
                 f"env={{{str(key)!r}: {str(value)!r}}}"
             )
-    wanted = {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(n)}
-    for key in _MESH_VARIABLES:
-        if key in env and env[key] != wanted[key]:
+    for key, wanted in {"PJRT_DEVICE": "CPU", "CPU_NUM_DEVICES": str(n)}.items():
+        if env.get(key, wanted) != wanted:
             raise ValueError(
-                f"env sets {key}={env[key]!r}, but the mesh needs {key}={wanted[key]!r}; "
+                f"env sets {key}={env[key]!r}, but the mesh needs {key}={wanted!r}; "
                 f"choose the device count with n= and leave {key} out of env"
             )
     pool = env.get("XLA_THREAD_POOL_SIZE")
@@ -140,21 +122,15 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
     sets ``XLA_PERMUTE_DEBUG`` (``"0"`` turns it off, e.g. for timed runs of a correct program).
 
     It also turns torch_xla's parameter aliasing off (``XLA_ENABLE_PARAM_ALIASING=0``) unless
-    this process's environment or ``env`` sets it. With aliasing on, a training loop on a mesh
-    of device *threads* can deadlock: ``torch_xla.sync()`` resets the collective token after
-    it has dispatched the step, with the GIL held, and dropping the token can free a buffer
-    that the step's still-running program holds (an input donated to it); the free waits for
-    that program, the program waits in a collective for a rank that is still tracing, and that
-    rank waits for the GIL. XLA:CPU breaks the deadlock after 15 s by aborting the process
-    (``Termination timeout for `all gather ...```). The cost: each step's updated parameters
-    and optimizer states get new buffers instead of reusing the old ones (the bench measures
-    it). Tutorial 04 has the reproducer and the conditions.
+    this process's environment or ``env`` sets it: with aliasing on, a training loop on a mesh
+    of device *threads* can deadlock until XLA:CPU aborts the process (caveat
+    ``param-aliasing-deadlock``; tutorial 13 has the mechanism and a reproducer). The cost:
+    each step's updated parameters and optimizer states get new buffers.
 
     And it compiles with LLVM's optimizer off (``--xla_backend_optimization_level=0`` added to
-    ``XLA_FLAGS`` unless they set the level): each rank compiles its own program, and a rank
-    whose compile ends more than 15 s after another's aborts the mesh (caveat
-    ``compile-skew-rendezvous``); the optimizer is most of a compile on XLA:CPU, and buffer
-    assignment (the peak memory) comes before it.
+    ``XLA_FLAGS`` unless they set the level), most of a compile on XLA:CPU: a rank whose
+    compile ends more than 15 s after another's aborts the mesh (caveat
+    ``compile-skew-rendezvous``).
 
     >>> e = mesh_environment(4)
     >>> e["PJRT_DEVICE"], e["CPU_NUM_DEVICES"], int(e["XLA_THREAD_POOL_SIZE"]) >= 4
@@ -165,7 +141,7 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
     >>> mesh_environment(2)["XLA_PERMUTE_DEBUG"], mesh_environment(2, off)["XLA_PERMUTE_DEBUG"]
     ('1', '0')
     """
-    _check_n(n)
+    check_int(n, "n", 1, fix="the number of devices; n=4 is the default CPU mesh")
     extra = _check_env(n, env)
     out = dict(os.environ)
     out.update(
@@ -178,29 +154,18 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
     if not out.get(DEBUG_ENV, "").strip():
         out[DEBUG_ENV] = "1"
     # Parameter aliasing deadlocks training loops on a mesh of threads (see the docstring).
-    if not out.get(_ALIASING_ENV, "").strip():
-        out[_ALIASING_ENV] = "0"
+    if not out.get("XLA_ENABLE_PARAM_ALIASING", "").strip():
+        out["XLA_ENABLE_PARAM_ALIASING"] = "0"
     # The child must import what the caller can import (tests/, a notebook's directory).
     paths = [p or os.getcwd() for p in sys.path] + [out.get("PYTHONPATH", "")]
     out["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     out.update(extra)
     # Each rank compiles its own program; LLVM's optimizer is most of a compile on XLA:CPU, and
     # a rank whose compile ends more than 15 s after another's aborts the mesh.
-    if _OPT_FLAG not in out.get("XLA_FLAGS", ""):
-        out["XLA_FLAGS"] = f"{out.get('XLA_FLAGS', '')} {_OPT_FLAG}=0".strip()
+    flag = "--xla_backend_optimization_level"
+    if flag not in out.get("XLA_FLAGS", ""):
+        out["XLA_FLAGS"] = f"{out.get('XLA_FLAGS', '')} {flag}=0".strip()
     return out
-
-
-def _check_n(n: object) -> None:
-    check_int(n, "n", 1, fix="the number of devices; n=4 is the default CPU mesh")
-
-
-def _check_timeout(timeout: object) -> float:
-    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
-        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
-    if not timeout > 0:
-        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
-    return float(timeout)
 
 
 def _check_runtime_not_started() -> None:
@@ -277,29 +242,23 @@ def _serialise_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     """cloudpickle ``(fn, args, kwargs)``; a TypeError names what cannot travel, and the fix."""
     if not callable(fn):
         raise TypeError(f"fn must be a callable, got {type(fn).__name__}")
-    name = getattr(fn, "__qualname__", repr(fn))
     try:
         return _dumps((fn, args, kwargs))
     except Exception as error:  # noqa: BLE001 - diagnosed below, then re-raised as TypeError
         cause = error
-    if isinstance(fn, types.FunctionType):
-        for var, value in _used_names(fn).items():
-            why = _why_not(value)
-            if why is not None:
-                raise TypeError(
-                    f"fn {name} uses {var!r} ({type(value).__name__}) from its globals or "
-                    f"closure, which cannot be sent to the device process: {why}"
-                ) from cause
-    why = _why_not(fn)
-    if why is not None:
-        raise TypeError(f"fn {name} cannot be sent to the device process: {why}") from cause
-    for where, value in [*((f"args[{i}]", a) for i, a in enumerate(args)),
-                         *((f"kwargs[{k!r}]", v) for k, v in kwargs.items())]:  # fmt: skip
+    name = getattr(fn, "__qualname__", repr(fn))
+    used = _used_names(fn) if isinstance(fn, types.FunctionType) else {}
+    suspects = [
+        *((f"fn {name} uses {k!r} ({type(v).__name__}) from its globals or closure, which", v)
+          for k, v in used.items()),
+        (f"fn {name}", fn),
+        *((f"args[{i}] ({type(v).__name__})", v) for i, v in enumerate(args)),
+        *((f"kwargs[{k!r}] ({type(v).__name__})", v) for k, v in kwargs.items()),
+    ]  # fmt: skip
+    for what, value in suspects:
         why = _why_not(value)
         if why is not None:
-            raise TypeError(
-                f"{where} ({type(value).__name__}) cannot be sent to the device process: {why}"
-            ) from cause
+            raise TypeError(f"{what} cannot be sent to the device process: {why}") from cause
     raise TypeError(f"the call of {name} cannot be sent to the device process: {cause}") from cause
 
 
@@ -326,17 +285,11 @@ def run_on_mesh(
     and of the arguments (a module passed in may be moved to the rank's device in place); the
     modules ``fn`` imports, and their globals, are shared by the rank threads as usual.
 
-    The device process guards every rank's ``torch_xla.sync()``: a sync with nothing to run on
-    a rank (it dropped its results, or its calls since the last sync were refused) would wait
-    for rank 0's device while rank 0 is inside a collective, and abort the mesh (caveat
-    ``empty-sync-device-lock``; ``XLA_PERMUTE_SYNC_GUARD=0`` turns the guard off).
-
-    The debug mode is on in the device process unless the caller's environment or ``env``
-    sets ``XLA_PERMUTE_DEBUG`` (:func:`mesh_environment`): ranks that pass different shapes,
-    dtypes, pairs or groups to a collective of this package raise
-    :class:`~xla_permute.debug.DisagreementError` on every rank instead of returning garbage,
-    at every call. ``env={"XLA_PERMUTE_DEBUG": "0"}`` checks each op's 1st, 2nd, 4th, ... call
-    only (the default off the mesh), for timed runs.
+    The device process guards every rank's ``torch_xla.sync()``
+    (:func:`~xla_permute.cpu_mesh.device.guard_syncs`; ``XLA_PERMUTE_SYNC_GUARD=0`` turns it
+    off), and the debug mode is on in it (:func:`mesh_environment`): ranks that pass
+    different arguments to a collective of this package raise
+    :class:`~xla_permute.debug.DisagreementError` on every rank, at every call.
 
     What the ranks print (and their warnings) appears here while they run, each line
     prefixed by its rank (``[rank 2] ...``; :mod:`xla_permute.cpu_mesh.rank_output`).
@@ -359,8 +312,10 @@ def run_on_mesh(
         RankError: a rank raised; the message names the rank and the original error,
             which is also ``__cause__``.
     """
-    _check_n(n)
-    timeout = _check_timeout(timeout)
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
+    if not timeout > 0:
+        raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     environment = mesh_environment(n, env)
     payload = _serialise_call(fn, args, kwargs)
     _check_runtime_not_started()
@@ -373,23 +328,18 @@ def run_on_mesh(
             finished, err = rank_output.relay(proc, timeout)
             if not finished:
                 os.killpg(proc.pid, signal.SIGKILL)
-        if not finished:
+        if not finished or not result_path.exists():
+            how = f"exited with code {proc.returncode}"
+            if not finished:
+                how = f"did not finish within {timeout:g} s and was killed"
+            elif proc.returncode < 0:
+                how = f"was killed by {signal.Signals(-proc.returncode).name}"
+            how += " before returning results" if finished else ""
+            tail = "\n".join(err.strip().splitlines()[-25:]) or "(empty)"
             raise MeshError(
-                f"The {n}-device mesh running {name} did not finish within {timeout:g} s and "
-                f"was killed. {_diagnose(err, tmp, n)}{_MISMATCH_HINT}\n"
-                f"--- device process stderr (tail) ---\n{_tail(err)}"
+                f"The {n}-device mesh running {name} {how}. {_diagnose(err, tmp, n)}"
+                f"{_MISMATCH_HINT}\n--- device process stderr (tail) ---\n{tail}"
             ) from None
-        if not result_path.exists():
-            how = (
-                f"was killed by {signal.Signals(-proc.returncode).name}"
-                if proc.returncode < 0
-                else f"exited with code {proc.returncode}"
-            )
-            raise MeshError(
-                f"The {n}-device mesh running {name} {how} before returning results. "
-                f"{_diagnose(err, tmp, n)}{_MISMATCH_HINT}\n"
-                f"--- device process stderr (tail) ---\n{_tail(err)}"
-            )
         status, value = pickle.loads(result_path.read_bytes())
     if status == "ok":
         return value
@@ -403,15 +353,10 @@ def run_on_mesh(
 
 def _start(command: list[str], env: dict[str, str]) -> subprocess.Popen:
     """Start the device process: Popen, or the function :data:`LAUNCHER_ENV` names."""
-    name = env.get(LAUNCHER_ENV, "").strip()
+    name, pipe = env.get(LAUNCHER_ENV, "").strip(), subprocess.PIPE
     if not name:
         return subprocess.Popen(
-            command,
-            env=env,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-            start_new_session=True,
+            command, env=env, stdout=pipe, stderr=pipe, text=True, start_new_session=True
         )
     module, _, function = name.partition(":")
     return getattr(importlib.import_module(module), function)(command, env)
@@ -429,17 +374,12 @@ _TERMINATED = re.compile(
 def _diagnose(err: str, directory: str, n: int) -> str:
     """What the abort says and what the ranks were doing: which collective, who waited at it,
     who never came and where that rank was (:mod:`xla_permute.cpu_mesh.status`)."""
-    found = _TERMINATED.search(err)
+    found, status, now = _TERMINATED.search(err), mesh_status.read(directory), time.monotonic()
     if found is None:  # a hang, or a death without XLA's message: where was every rank?
-        status, now = mesh_status.read(directory), time.monotonic()
-        if not status:
-            return ""
         ranks = "; ".join(f"rank {r} " + _describe(status.get(r), now) for r in range(n))
-        return f"Diagnosis: {ranks}. "
+        return f"Diagnosis: {ranks}. " if status else ""
     kind, channel, expected, arrived = found.groups()
     waiting = sorted({int(i) for i, k, c in _STUCK.findall(err) if (k, c) == (kind, channel)})
-    status = mesh_status.read(directory)
-    now = time.monotonic()
     text = (
         f"Diagnosis: XLA:CPU aborted an {kind} (channel id {channel}) that {arrived} of "
         f"{expected} participants reached in time"
@@ -470,13 +410,5 @@ def _describe(line: dict[str, Any] | None, now: float) -> str:
     return f"was running Python code for {now - line['since']:.1f} s since its last sync{op}"
 
 
-def _join(ranks: list[int]) -> str:
-    return ", ".join(map(str, ranks))
-
-
 def _plural(word: str, ranks: list[int]) -> str:
-    return f"{word}{'s' if len(ranks) > 1 else ''} {_join(ranks)}"
-
-
-def _tail(text: str, lines: int = 25) -> str:
-    return "\n".join(text.strip().splitlines()[-lines:]) or "(empty)"
+    return f"{word}{'s' if len(ranks) > 1 else ''} {', '.join(map(str, ranks))}"

@@ -55,9 +55,6 @@ class RankPrefixedStream(io.TextIOBase):
         super().__init__()
         self._target, self._lock, self._pending = target, threading.Lock(), {}
 
-    def writable(self) -> bool:
-        return True
-
     def write(self, text: str) -> int:
         with self._lock:
             *lines, rest = (self._pending.pop(threading.get_ident(), "") + text).split("\n")

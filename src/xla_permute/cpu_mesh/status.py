@@ -1,14 +1,12 @@
 """What each rank of the CPU mesh is doing, kept where the launcher can read it after an abort.
 
 XLA:CPU ends the device process with SIGABRT when a collective's ranks arrive more than 15 s
-apart, and the process's Python state dies with it. So each rank keeps one line about itself
-in a file of the launch's directory: where it is (``sync`` inside ``torch_xla.sync()``, which
-compiles the step's program and dispatches it; ``run`` outside), since when, how long its last
-sync took, and the last op of this package it called (the device process registers
-:func:`note_op` with :func:`xla_permute.debug.on_op`). :func:`~xla_permute.run_on_mesh` reads
-the lines of the ranks that did not arrive and names them in its :class:`~xla_permute.MeshError`.
-
-Until :func:`start` is called (outside the device process) every function here does nothing.
+apart, Python state and all. So each rank keeps one line about itself in a file of the
+launch's directory: ``sync`` (inside ``torch_xla.sync()``, compiling and dispatching) or
+``run``, since when, how long its last sync took, and the last op of this package it called
+(:func:`note_op`, registered with :func:`xla_permute.debug.on_op`). After an abort,
+:func:`~xla_permute.run_on_mesh` names in its :class:`~xla_permute.MeshError` where the ranks
+that did not arrive were. Before :func:`start` (outside the device process) nothing is kept.
 
 >>> import tempfile
 >>> with tempfile.TemporaryDirectory() as d:
