@@ -102,7 +102,7 @@ def suite(cases, mlp, xs_mlp, gs_mlp, empty):
     # the gated MLP from ordinary nn.Linears, both activations, with and without bias
     for name, (gate, up, down, act) in mlp.items():
         for strategy in ("ring", "baseline"):
-            layer = GatedMLP.from_mlp(gate, up, down, act, strategy=strategy, device=d)
+            layer = GatedMLP.from_mlp(gate, up, down, act, strategy=strategy).to(d)
             x = xs_mlp[r].to(d).requires_grad_()
             y = layer(x)
             (y * gs_mlp[r].to(d)).sum().backward()
@@ -127,7 +127,7 @@ def suite(cases, mlp, xs_mlp, gs_mlp, empty):
         "backend": error(lambda: col(8, 8, backend="nccl")),
         "cpu params": error(lambda: col(8, 8)(torch.ones(2, 8, device=d))),
         "wrong world": error(
-            lambda: col(8, 8, world_size=2, rank=r % 2, device=d)(torch.ones(2, 8, device=d))
+            lambda: col(8, 8, world_size=2, rank=r % 2).to(d)(torch.ones(2, 8, device=d))
         ),
         "reduce_dtype": error(
             lambda: xp.matmul_reduce_scatter(

@@ -106,7 +106,7 @@ def _units(dev: torch.device, modules: dict) -> dict:
     out["loss grad"] = (mine.grad.cpu() - whole.grad[..., r * 8 : (r + 1) * 8]).abs().max().item()
     # An embedding with a padding row: the same lookup, no gradient for that row.
     emb = modules["emb"]
-    par = xp.VocabParallelEmbedding.from_embedding(emb, output="replicated").to(dev)
+    par = xp.VocabParallelEmbedding.from_embedding(emb, dim=None).to(dev)
     tokens = torch.tensor([[0, 1, 2, 4 * n - 1]])
     y = par(tokens.to(dev))
     y.sum().backward()

@@ -14,8 +14,8 @@ Per rank (N ranks of a group, ``Hq`` query and ``Hkv`` key/value heads of size `
 4. ``y = ReduceScatter(o @ Wo_r.T) + b``: :class:`~xla_permute.RowParallelLinear`, one
    matmul-reduce-scatter ring.
 
-Without sequence parallelism (``sequence_parallel=False``) x and y are ``[B, S, H]``, replicated,
-and the only collective is the all-reduce of ``o_proj`` (Megatron's layout).
+Without sequence parallelism (``dim=None``) x and y are ``[B, S, H]``, replicated, and the only
+collective is the all-reduce of ``o_proj`` (Megatron's layout).
 
 **Context parallelism** (``context_groups``, the groups of ranks that split the sequence, as
 :class:`~xla_permute.Mesh2D`'s ``cp_groups``): the tensor-parallel group holds one context
@@ -45,11 +45,7 @@ from xla_permute.attention import ring_attention
 from xla_permute.collectives import sum_gradients
 from xla_permute.pairs import GroupsLike, check_int
 from xla_permute.sequence import check_layout, layout_positions
-from xla_permute.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    _place,
-)
+from xla_permute.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, _place
 
 __all__ = ["ParallelAttention", "kv_head_groups"]
 
@@ -142,25 +138,30 @@ class ParallelAttention(nn.Module):
         heads: int,
         kv_heads: int | None = None,
         head_dim: int | None = None,
-        position_fn: PositionFn | None = None,
-        causal: bool = True,
-        returns_weights: bool = False,
-        context_groups: GroupsLike = None,
-        layout: str = "contiguous",
-        **layer_options: Any,
+        **options: Any,
     ) -> ParallelAttention:
         """This rank's heads of the attention whose projections are ``q, k, v, o`` (or one fused
         ``qkv`` Linear, its rows ``[q | k | v]``, and ``o``): nn.Linear layouts, ``[out, in]``.
 
-        ``layer_options``: of :class:`~xla_permute.ColumnParallelLinear` (``strategy``,
-        ``dim``, ``groups``, ``backend``, ``world_size``, ``rank``, ...), for all four.
+        ``options``: the attention's own (``position_fn``, ``causal``, ``returns_weights``,
+        ``context_groups``, ``layout``, as the class takes them) and the layers' (``strategy``,
+        ``dim``, ``groups``, ``backend``, ``world_size``, ``rank``, ... of
+        :class:`~xla_permute.ColumnParallelLinear`), the same for all four projections.
         """
+        own = ("position_fn", "causal", "returns_weights", "context_groups", "layout")
+        attention = {a: options.pop(a) for a in own if a in options}
         kv_heads = heads if kv_heads is None else kv_heads
         if qkv is not None:
             if q is not None or k is not None or v is not None:
                 raise ValueError("pass either q, k, v or a fused qkv, not both")
             hd = head_dim or qkv.out_features // (heads + 2 * kv_heads)
-            q, k, v = _split_fused(qkv, heads * hd, kv_heads * hd)
+            qr, kr = heads * hd, kv_heads * hd
+            if qkv.out_features != qr + 2 * kr:
+                raise ValueError(
+                    f"qkv.out_features = {qkv.out_features} is not q ({qr}) + 2 x kv ({kr}) "
+                    f"rows; pass heads=, kv_heads= and head_dim= of this attention"
+                )
+            q, k, v = (_rows(qkv, a, b) for a, b in ((0, qr), (qr, kr), (qr + kr, kr)))
         for name, lin in (("q", q), ("k", k), ("v", v), ("o", o)):
             if not isinstance(lin, nn.Linear):
                 raise TypeError(f"{name} must be an nn.Linear, got {type(lin).__name__}")
@@ -171,27 +172,16 @@ class ParallelAttention(nn.Module):
                     f"{name}.out_features = {lin.out_features} is not {count} heads of "
                     f"head_dim {hd}; pass heads=, kv_heads= and head_dim= of this attention"
                 )
-        out = RowParallelLinear.from_linear(o, **layer_options)
+        out = RowParallelLinear.from_linear(o, **options)
         n, r = out.world_size, out.rank
-        options = {**layer_options, "world_size": n, "rank": r}
+        options |= {"world_size": n, "rank": r}
         parts = [ColumnParallelLinear.from_linear(q, **options)]
         if kv_head_groups(heads, kv_heads, n, out.groups) is None:
             parts += [ColumnParallelLinear.from_linear(t, **options) for t in (k, v)]
         else:  # this rank's one KV head, whole: the head of its query heads
             head = r * (heads // n) // (heads // kv_heads)
-            parts += [_head(t, head, hd) for t in (k, v)]
-        return cls(
-            [p.to(q.weight.device) for p in parts],
-            out.to(q.weight.device),
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=hd,
-            position_fn=position_fn,
-            causal=causal,
-            returns_weights=returns_weights,
-            context_groups=context_groups,
-            layout=layout,
-        )
+            parts += [_rows(t, head * hd, hd) for t in (k, v)]
+        return cls(parts, out, heads=heads, kv_heads=kv_heads, head_dim=hd, **attention)
 
     def forward(self, hidden_states: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         """``[B, S/N, H] -> [B, S/N, H]`` (``[B, S, H]`` without sequence parallelism)."""
@@ -241,29 +231,11 @@ class ParallelAttention(nn.Module):
         return f"heads={self.heads}, kv_heads={self.kv_heads}, head_dim={self.head_dim}{kv}{cp}"
 
 
-def _split_fused(qkv: nn.Linear, q_rows: int, kv_rows: int) -> tuple[nn.Linear, ...]:
-    """A fused ``[q | k | v]`` Linear as three Linears (views of its weights)."""
-    if qkv.out_features != q_rows + 2 * kv_rows:
-        raise ValueError(
-            f"qkv.out_features = {qkv.out_features} is not q ({q_rows}) + 2 x kv ({kv_rows}) "
-            f"rows; pass heads=, kv_heads= and head_dim= of this attention"
-        )
-    parts = []
-    for first, rows in ((0, q_rows), (q_rows, kv_rows), (q_rows + kv_rows, kv_rows)):
-        lin = nn.Linear(qkv.in_features, rows, bias=qkv.bias is not None, device="meta")
-        lin.weight = nn.Parameter(qkv.weight.detach()[first : first + rows])
-        if qkv.bias is not None:
-            lin.bias = nn.Parameter(qkv.bias.detach()[first : first + rows])
-        parts.append(lin)
-    return tuple(parts)
-
-
-def _head(lin: nn.Linear, head: int, hd: int) -> nn.Linear:
-    """A copy of one whole head's rows of ``lin``: ``nn.Linear(in_features, hd)``."""
-    rows = slice(head * hd, (head + 1) * hd)
-    copy = nn.Linear(lin.in_features, hd, bias=lin.bias is not None, dtype=lin.weight.dtype)
+def _rows(lin: nn.Linear, first: int, count: int) -> nn.Linear:
+    """A copy of rows ``first ... first+count`` of ``lin``: ``nn.Linear(in_features, count)``."""
+    w = lin.weight
+    part = nn.Linear(w.shape[1], count, lin.bias is not None, w.device, w.dtype)
     with torch.no_grad():
-        copy.weight.copy_(lin.weight[rows])
-        if lin.bias is not None:
-            copy.bias.copy_(lin.bias[rows])
-    return copy
+        for mine, full in zip(part.parameters(), lin.parameters(), strict=True):
+            mine.copy_(full[first : first + count])
+    return part

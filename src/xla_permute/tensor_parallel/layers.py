@@ -1,9 +1,9 @@
 """Tensor-parallel linear layers on collective matmul (Megatron's, sequence parallel or not).
 
-With sequence parallelism (Megatron-LM's ``sequence_parallel=True``) the activations between
-blocks are sharded along the sequence, so a column-parallel linear starts with an all-gather
-and a row-parallel one ends with a reduce-scatter: the two collectives that collective matmul
-overlaps with the matmul. Per rank, N ranks, sequence dimension ``dim`` (1 of ``[B, S, H]``):
+With sequence parallelism the activations between blocks are sharded along the sequence, so a
+column-parallel linear starts with an all-gather and a row-parallel one ends with a
+reduce-scatter: the two collectives that collective matmul overlaps with the matmul. Per rank,
+N ranks, sequence dimension ``dim`` (1 of ``[B, S, H]``):
 
 * :class:`ColumnParallelLinear` ``(K -> F)``: ``x [..., S/N, K] -> y [..., S, F/N]``,
   ``y = AllGather(x) @ W_r.T + b_r``, ``W_r`` rows ``r*F/N ... (r+1)*F/N`` of the full
@@ -15,9 +15,10 @@ overlaps with the matmul. Per rank, N ranks, sequence dimension ``dim`` (1 of ``
 
 ``dim=None`` (Megatron's layers without sequence parallelism): the activations around the
 pair are whole on every rank. The column layer is then a local matmul (backward: ``dx``
-summed over ranks) and the row layer ends with a sum, ``y = AllReduce(x @ W_r.T) + b``
-(:mod:`~xla_permute.tensor_parallel.regions`). ``gather_output=True`` (column): the output's
-features gathered, ``[..., F]`` on every rank.
+summed over ranks, Megatron's ``copy_to_tensor_model_parallel_region``) and the row layer
+ends with a sum, ``y = AllReduce(x @ W_r.T) + b`` (:func:`reduce_replicated`).
+``gather_output=True`` (column): the output's features gathered, ``[..., F]`` on every rank
+(:func:`gather_replicated`).
 
 ``strategy`` is fixed when the layer is built: ``"ring"`` (collective matmul, the default;
 ``bidirectional``: both ways round the ring), ``"baseline"`` (the blocking collective, then
@@ -36,6 +37,7 @@ layer is built: asked from the running mesh or process group, or given (``world_
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
 from typing import Any
 
@@ -44,7 +46,7 @@ from torch import nn
 from typing_extensions import Self
 
 from xla_permute.backends.select import BACKENDS, distributed_ready, get_backend
-from xla_permute.collectives import sum_gradients
+from xla_permute.collectives import all_gather, all_reduce, sum_gradients
 from xla_permute.matmul import (
     all_gather_matmul,
     all_gather_then_matmul,
@@ -52,14 +54,16 @@ from xla_permute.matmul import (
     matmul_then_reduce_scatter,
 )
 from xla_permute.pairs import GroupsLike, check_int
-from xla_permute.tensor_parallel.regions import gather_replicated, reduce_replicated
 
-__all__ = ["STRATEGIES", "ColumnParallelLinear", "RowParallelLinear"]
+__all__ = [
+    "STRATEGIES",
+    "ColumnParallelLinear",
+    "RowParallelLinear",
+    "gather_replicated",
+    "reduce_replicated",
+]
 
 STRATEGIES = ("ring", "baseline", "xla")
-
-#: ``(weight [F, K], bias [F] or None)`` of one output, ``nn.Linear``'s layout
-Params = tuple[torch.Tensor, torch.Tensor | None]
 
 
 def _place(
@@ -75,9 +79,10 @@ def _place(
     if backend == "c10d" or (backend == "auto" and distributed_ready()):
         live = distributed_ready()
     else:  # asking a runtime that has not started would start it (and break run_on_mesh)
-        import torch_xla
-
-        live = torch_xla._XLAC._xla_runtime_is_initialized()
+        if None in (world_size, rank):
+            import torch_xla  # noqa: F401 (given both, a runtime runs only if it is imported)
+        xla = sys.modules.get("torch_xla")
+        live = xla is not None and xla._XLAC._xla_runtime_is_initialized()
     if not live:
         if world_size is None or rank is None:
             raise RuntimeError(
@@ -99,13 +104,46 @@ def _place(
     return size, position
 
 
-def _shard(size: int, world_size: int, what: str) -> int:
-    if size % world_size:
-        raise ValueError(
-            f"{what} = {size} is not divisible by the {world_size} ranks; choose a multiple "
-            f"of {world_size}"
-        )
-    return size // world_size
+class _ReduceReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, groups: GroupsLike, backend: str) -> torch.Tensor:
+        return all_reduce(x, groups=groups, backend=backend)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad, None, None
+
+
+class _GatherReplicated(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, dim: int, position: int, *comm: Any) -> torch.Tensor:
+        ctx.dim, ctx.start, ctx.size = dim, position * x.shape[dim], x.shape[dim]
+        return all_gather(x, dim, groups=comm[0], backend=comm[1])
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+        return grad.narrow(ctx.dim, ctx.start, ctx.size), None, None, None, None
+
+
+def reduce_replicated(
+    x: torch.Tensor, *, groups: GroupsLike = None, backend: str = "auto"
+) -> torch.Tensor:
+    """The sum of every rank's partial ``x`` over the group, a replicated result (Megatron's
+    ``reduce_from_tensor_model_parallel_region``): ``x [...] -> [...]``, ``y = sum_j x_j``.
+    Backward: ``dx = dy`` (every rank's ``dy`` is already the whole gradient of the replicated
+    ``y``: every rank differentiates the same loss), unlike :func:`~xla_permute.all_reduce`'s
+    sum."""
+    return _ReduceReplicated.apply(x, groups, backend)
+
+
+def gather_replicated(
+    x: torch.Tensor, dim: int, position: int, *, groups: GroupsLike = None, backend: str = "auto"
+) -> torch.Tensor:
+    """Every rank's block concatenated along ``dim``, a replicated result (Megatron's
+    ``gather_from_tensor_model_parallel_region``): ``[..., m, ...] -> [..., N*m, ...]``
+    (``dim`` non-negative; ``position``: this rank's place in its group). Backward: this rank's
+    block of ``dy``, ``dy[..., position*m : (position+1)*m, ...]`` (not summed: replicated)."""
+    return _GatherReplicated.apply(x, dim, position, groups, backend)
 
 
 class _ParallelLinear(nn.Module):
@@ -140,20 +178,21 @@ class _ParallelLinear(nn.Module):
         self.groups = None if groups is None else [list(g) for g in groups]
         what = type(self).__name__
         self.world_size, self.rank = _place(self.groups, backend, world_size, rank, what)
-        if self.sharded == "out":
-            shape = (_shard(out_features, self.world_size, "out_features"), in_features)
-        else:
-            shape = (out_features, _shard(in_features, self.world_size, "in_features"))
-        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype))
-        rows = shape[0]
-        self.bias = nn.Parameter(torch.empty(rows, dtype=dtype)) if bias else None
+        n, what = self.world_size, f"{self.sharded}_features"
+        if getattr(self, what) % n:
+            raise ValueError(
+                f"{what} = {getattr(self, what)} is not divisible by the {n} ranks; choose a "
+                f"multiple of {n}"
+            )
+        column = self.sharded == "out"
+        f, k = (out_features // n, in_features) if column else (out_features, in_features // n)
+        self.weight = nn.Parameter(torch.empty(f, k, dtype=dtype))
+        self.bias = nn.Parameter(torch.empty(f, dtype=dtype)) if bias else None
         self.reset_parameters(generator)
 
     def reset_parameters(self, generator: torch.Generator | None = None) -> None:
-        """``nn.Linear``'s initialisation (uniform in +-1/sqrt(in_features) of the full layer).
-
-        On the CPU mesh the ranks are threads sharing torch's global RNG: pass a per-rank
-        ``generator`` for draws that do not interleave."""
+        """``nn.Linear``'s initialisation (uniform in +-1/sqrt(in_features) of the full layer);
+        a per-rank ``generator`` keeps the CPU mesh's rank threads from sharing torch's RNG."""
         bound = 1 / math.sqrt(self.in_features)
         with torch.no_grad():
             for p in (self.weight, self.bias):
@@ -192,11 +231,9 @@ class _ParallelLinear(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        groups = "" if self.groups is None else f", groups={self.groups}"
         return (
             f"weight={tuple(self.weight.shape)}, rank={self.rank}/{self.world_size}, "
-            f"dim={self.dim}, strategy={self.strategy!r}, bidirectional={self.bidirectional}"
-            + groups
+            f"dim={self.dim}, strategy={self.strategy!r}, groups={self.groups}"
         )
 
 
@@ -215,7 +252,9 @@ class ColumnParallelLinear(_ParallelLinear):
         ``[..., S, K] -> [..., S, F/N]``; ``gather_output``: ``[..., F]``)."""
         return self.fused(x, [(self.weight, self.bias)])[0]
 
-    def fused(self, x: torch.Tensor, params: Sequence[Params]) -> tuple[torch.Tensor, ...]:
+    def fused(
+        self, x: torch.Tensor, params: Sequence[tuple[torch.Tensor, torch.Tensor | None]]
+    ) -> tuple[torch.Tensor, ...]:
         """``x`` times several weights, this layer's setting for all, on one ring (x travels
         once): q/k/v, gate/up. ``params``: each output's ``(weight [F_i/N, K], bias)``, this
         rank's rows; returns each output ``[..., S, F_i/N]``."""
@@ -228,7 +267,7 @@ class ColumnParallelLinear(_ParallelLinear):
             ys = all_gather_matmul(x, ws, dim=self.dim, bidirectional=self.bidirectional, **comm)
         else:
             ys = all_gather_then_matmul(x, ws, dim=self.dim, **comm)
-        ys = [y if b is None else y + b for y, (_, b) in zip(ys, params, strict=True)]
+        ys = [_add(y, b) for y, (_, b) in zip(ys, params, strict=True)]
         if self.gather_output:
             ys = [gather_replicated(y, y.dim() - 1, self.rank, **comm) for y in ys]
         return tuple(ys)
@@ -246,14 +285,17 @@ class RowParallelLinear(_ParallelLinear):
         self._check(x)
         w, comm = self.weight.T, dict(groups=self.groups, backend=self.backend)
         if self.dim is None:
-            y = reduce_replicated(x @ w, **comm)
-            return y if self.bias is None else y + self.bias
+            return _add(reduce_replicated(x @ w, **comm), self.bias)
         if self.strategy == "ring":
             y = matmul_reduce_scatter(x, w, dim=self.dim, bidirectional=self.bidirectional, **comm)
         else:  # "xla": the reduce-scatter in the input dtype, as the PoC's
             reduce_dtype = x.dtype if self.strategy == "xla" else None
             y = matmul_then_reduce_scatter(x, w, dim=self.dim, reduce_dtype=reduce_dtype, **comm)
         if self.bias is None or y.numel() == 0:
-            return y if self.bias is None else y + self.bias
+            return _add(y, self.bias)
         # The bias is whole on every rank, but each rank adds it to its own rows only.
         return y + sum_gradients(self.bias, **comm)
+
+
+def _add(y: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return y if bias is None else y + bias

@@ -4,9 +4,9 @@ With N ranks and a vocabulary of V tokens, rank r holds the rows ``r*V/N ... (r+
 embedding table and of the LM head, so full ``[B, S, V]`` logits never exist on one rank:
 
 * :class:`VocabParallelEmbedding`: tokens ``[B, S]`` (the same on every rank) ->
-  ``[B, S/N, H]`` (``output="sequence"``: the sequence-parallel activations, one reduce-scatter)
-  or ``[B, S, H]`` (``output="replicated"``: one all-reduce). Each rank looks up the tokens of its
-  rows (the others give zeros) and the sum over ranks is the full lookup.
+  ``[B, S/N, H]`` (the sequence-parallel activations, one reduce-scatter) or ``[B, S, H]``
+  (``dim=None``: one all-reduce). Each rank looks up the tokens of its rows (the others give
+  zeros) and the sum over ranks is the full lookup.
 * The LM head is a :class:`~xla_permute.ColumnParallelLinear` (``[B, S/N, H] -> [B, S, V/N]``, one
   all-gather-matmul).
 * :func:`vocab_parallel_cross_entropy`: logits ``[..., V/N]`` -> the loss, replicated, equal to
@@ -23,33 +23,21 @@ from torch import nn
 
 from xla_permute.backends.select import check_tensor
 from xla_permute.collectives import all_gather, all_reduce, reduce_scatter
-from xla_permute.pairs import GroupsLike, check_dim, check_int
+from xla_permute.pairs import GroupsLike, check_int
 from xla_permute.reference import accumulation_dtype
-from xla_permute.tensor_parallel.layers import _place
-from xla_permute.tensor_parallel.regions import reduce_replicated
+from xla_permute.tensor_parallel.layers import _place, reduce_replicated
 
 __all__ = ["VocabParallelEmbedding", "vocab_parallel_cross_entropy"]
-
-OUTPUTS = ("sequence", "replicated")
-
-
-def _vocab_block(vocab: int, world_size: int, what: str) -> int:
-    if vocab % world_size:
-        raise ValueError(
-            f"{what} = {vocab} is not divisible by the {world_size} ranks; pad the vocabulary "
-            f"to a multiple of {world_size} (e.g. {vocab + (-vocab % world_size)})"
-        )
-    return vocab // world_size
 
 
 class VocabParallelEmbedding(nn.Module):
     """``nn.Embedding(num_embeddings, embedding_dim)`` with its rows sharded over ranks.
 
-    Per rank: tokens ``[B, S]`` (the same on every rank) -> ``[B, S/N, H]`` (``output=
-    "sequence"``, ``dim`` the sequence dimension of the output) or ``[B, S, H]``
-    (``"replicated"``). ``y = sum_r E_r[t - r*V/N]`` (``E_r[.] = 0`` outside rank r's rows),
-    reduce-scattered along ``dim`` or all-reduced. Backward: the gradient of this rank's rows
-    only (the tokens it holds); ``"sequence"``: an all-gather of ``dy`` first.
+    Per rank: tokens ``[B, S]`` (the same on every rank) -> ``[B, S/N, H]`` (``dim``: the
+    output's sequence dimension) or ``[B, S, H]`` (``dim=None``). ``y = sum_r E_r[t - r*V/N]``
+    (``E_r[.] = 0`` outside rank r's rows), reduce-scattered along ``dim`` or all-reduced.
+    Backward: the gradient of this rank's rows only (the tokens it holds); with ``dim``, an
+    all-gather of ``dy`` first.
     """
 
     def __init__(
@@ -57,8 +45,7 @@ class VocabParallelEmbedding(nn.Module):
         num_embeddings: int,
         embedding_dim: int,
         *,
-        output: str = "sequence",
-        dim: int = 1,
+        dim: int | None = 1,
         padding_idx: int | None = None,
         groups: GroupsLike = None,
         backend: str = "auto",
@@ -69,13 +56,17 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         num_embeddings = check_int(num_embeddings, "num_embeddings", 1)
         embedding_dim = check_int(embedding_dim, "embedding_dim", 1)
-        if output not in OUTPUTS:
-            raise ValueError(f"output must be one of {OUTPUTS}, got {output!r}")
         self.groups = None if groups is None else [list(g) for g in groups]
-        self.backend, self.output, self.dim = backend, output, check_int(dim, "dim", 0)
+        self.backend, self.dim = backend, None if dim is None else check_int(dim, "dim", 0)
         what = type(self).__name__
         self.world_size, self.rank = _place(self.groups, backend, world_size, rank, what)
-        block = _vocab_block(num_embeddings, self.world_size, "num_embeddings")
+        n = self.world_size
+        if num_embeddings % n:
+            raise ValueError(
+                f"num_embeddings = {num_embeddings} is not divisible by the {n} ranks; pad the "
+                f"vocabulary to a multiple of {n} (e.g. {num_embeddings + (-num_embeddings % n)})"
+            )
+        block = num_embeddings // n
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.start = self.rank * block
         if padding_idx is not None:
@@ -102,9 +93,6 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[B, S] -> [B, S/N, H]`` (``"sequence"``) or ``[B, S, H]`` (class docstring)."""
-        check_tensor(tokens, "tokens", self.backend)
-        if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-            raise TypeError(f"tokens must be an integer tensor, got {tokens.dtype}")
         block = self.weight.shape[0]
         local = tokens - self.start
         mine = (local >= 0) & (local < block)
@@ -115,28 +103,21 @@ class VocabParallelEmbedding(nn.Module):
         y = nn.functional.embedding(local, self.weight, padding_idx=padding)
         y = y * mine.unsqueeze(-1).to(y.dtype)
         comm = dict(groups=self.groups, backend=self.backend)
-        if self.output == "replicated":
+        if self.dim is None:
             return reduce_replicated(y, **comm)
-        dim = check_dim(self.dim, y.shape, op="VocabParallelEmbedding")
-        return reduce_scatter(y, dim, **comm)
+        return reduce_scatter(y, self.dim, **comm)
 
     def extra_repr(self) -> str:
+        end, n = self.start + self.weight.shape[0], self.num_embeddings
         return (
-            f"rows {self.start}..{self.start + self.weight.shape[0]} of {self.num_embeddings}, "
-            f"embedding_dim={self.embedding_dim}, output={self.output!r}, dim={self.dim}"
+            f"rows {self.start}..{end} of {n}, embedding_dim={self.embedding_dim}, dim={self.dim}"
         )
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(
-        ctx: Any,
-        logits: torch.Tensor,
-        target: torch.Tensor,
-        start: int,
-        ignore_index: int,
-        comm: dict[str, Any],
-    ) -> torch.Tensor:
+    def forward(ctx: Any, logits: torch.Tensor, target: torch.Tensor, *args: Any) -> torch.Tensor:
+        start, ignore_index, comm = args  # this rank's first token id, the id to ignore, group
         x = logits.to(accumulation_dtype(logits.dtype))
         block = x.shape[-1]
         peak = all_gather(x.amax(-1, keepdim=True), x.dim() - 1, **comm).amax(-1, keepdim=True)
@@ -183,12 +164,8 @@ def vocab_parallel_cross_entropy(
     (no collective): ``dz_tv = (softmax(z_t)_v - [v = target_t]) dl_t`` on this rank's
     ``V/N`` columns.
     """
-    if not isinstance(logits, torch.Tensor) or not isinstance(target, torch.Tensor):
-        raise TypeError("logits and target must be tensors")
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    if not logits.dtype.is_floating_point:
-        raise TypeError(f"logits must be a floating-point tensor, got {logits.dtype}")
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise TypeError(f"target must be an integer tensor of token ids, got {target.dtype}")
     if logits.dim() < 1 or tuple(target.shape) != tuple(logits.shape[:-1]):
