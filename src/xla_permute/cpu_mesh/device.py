@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from xla_permute import debug
 from xla_permute.cpu_mesh import rank_output
 from xla_permute.cpu_mesh import status as mesh_status
+from xla_permute.debug import on_op
 
 __all__ = ["SYNC_GUARD_ENV", "guard_syncs", "main"]
 
@@ -117,7 +117,7 @@ def main(payload_path: str, result_path: str) -> None:
     global _result_path
     _result_path = Path(result_path)
     mesh_status.start(_result_path.parent)
-    debug.on_op(mesh_status.note_op)
+    on_op(mesh_status.note_op)
     rank_output.install()
     try:
         payload = Path(payload_path).read_bytes()
