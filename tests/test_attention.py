@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 from xla_permute import run_on_mesh
-from xla_permute.schedule import ring_attention_schedule, schedule_work
+from xla_permute.attention import ring_attention_schedule, schedule_work
 from xla_permute.sequence import layout_chunks, shard_sequence, unshard_sequence
 
 LAYOUTS = ("contiguous", "zigzag")

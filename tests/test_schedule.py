@@ -5,7 +5,7 @@ import torch
 
 from xla_permute import reference
 from xla_permute.pairs import ring_pairs
-from xla_permute.schedule import all_gather_schedule, reduce_scatter_schedule, ring_steps
+from xla_permute.matmul_ring import all_gather_schedule, reduce_scatter_schedule, ring_steps
 
 NS = [1, 2, 3, 4, 5, 8]
 

@@ -10,8 +10,15 @@ from __future__ import annotations
 import importlib
 from typing import Any
 
-# Ring attention (context parallelism) and its all-gather baseline
-from xla_permute.attention import all_gather_attention, ring_attention
+# Ring attention (context parallelism), its all-gather baseline and its hop schedule as data
+from xla_permute.attention import (
+    AttentionBlock,
+    AttentionHop,
+    all_gather_attention,
+    ring_attention,
+    ring_attention_schedule,
+    schedule_work,
+)
 
 # Agreement checks (every collective first checks that all ranks pass the same arguments),
 # and the refusal of torch.compile
@@ -33,6 +40,14 @@ from xla_permute.matmul import (
     all_gather_then_matmul,
     matmul_reduce_scatter,
     matmul_then_reduce_scatter,
+)
+
+# The rings of collective matmul: their schedules, as data
+from xla_permute.matmul_ring import (
+    RingStep,
+    all_gather_schedule,
+    reduce_scatter_schedule,
+    ring_steps,
 )
 
 # The CPU mesh: run a function on every device
@@ -66,18 +81,6 @@ from xla_permute.pipeline.schedule import Overlap, PipelineSchedule, Work
 
 # Pipeline stages without send/recv
 from xla_permute.pipeline.shift import shift_pairs, stage_shift
-
-# Ring schedules of collective matmul and ring attention, as data
-from xla_permute.schedule import (
-    AttentionBlock,
-    AttentionHop,
-    RingStep,
-    all_gather_schedule,
-    reduce_scatter_schedule,
-    ring_attention_schedule,
-    ring_steps,
-    schedule_work,
-)
 
 # Split a sequence over ranks and put it back (host, pure torch)
 from xla_permute.sequence import shard_sequence, unshard_sequence

@@ -17,7 +17,8 @@ lse            ``[B, Hkv, G, S/N]``        float32 log-sum-exp, saved for the ba
 =============  ==========================  ===========================================
 
 Merge of a block's ``(o_b, l_b)`` into the running ``(o, l)`` (float32; half precision is
-rounded once at the end): ``l' = logaddexp(l, l_b)``, ``o' = o e^(l-l') + o_b e^(l_b-l')``.
+rounded once at the end): ``l' = logaddexp(l, l_b)``, ``o' = o e^(l-l') + o_b e^(l_b-l')``
+(``_merge``, in the form flash attention keeps: a division and a log once, at the end).
 
 Backward (its own ring, flash-attention style): saved are q, k, v, out and lse, O(S/N) per
 rank. Each block's probabilities are recomputed as ``p = exp(s - lse)``; with
@@ -45,12 +46,87 @@ from typing import Any, NamedTuple
 
 import torch
 
-from xla_permute.backends.select import BackendName, CommBackend, Handle, Ring, check_tensor, ring
+from xla_permute import debug
+from xla_permute.backends.select import BackendName, CommBackend, Ring, check_tensor
+from xla_permute.collectives import all_gather
+from xla_permute.pairs import check_int
 from xla_permute.reference import accumulation_dtype
-from xla_permute.schedule import AttentionHop, ring_attention_schedule
-from xla_permute.sequence import check_layout, layout_chunks
+from xla_permute.sequence import check_layout, layout_chunks, layout_positions
 
-__all__ = ["all_gather_attention", "ring_attention"]
+__all__ = [
+    "AttentionBlock",
+    "AttentionHop",
+    "all_gather_attention",
+    "ring_attention",
+    "ring_attention_schedule",
+    "schedule_work",
+]
+
+
+class AttentionBlock(NamedTuple):
+    """One attention block: query chunks x key chunks (global chunk ids), masked or not.
+
+    ``causal=True`` only for a diagonal block (one chunk against itself): the causal mask
+    applies inside it. Chunk ids count ``N`` chunks (contiguous) or ``2N`` (zigzag).
+    """
+
+    q_chunks: tuple[int, ...]
+    k_chunks: tuple[int, ...]
+    causal: bool
+
+
+class AttentionHop(NamedTuple):
+    """Hop ``hop`` on one rank: it holds the K/V of rank ``source`` and computes ``blocks``."""
+
+    hop: int
+    source: int
+    blocks: tuple[AttentionBlock, ...]
+
+
+def _causal_blocks(own: tuple[int, ...], theirs: tuple[int, ...]) -> tuple[AttentionBlock, ...]:
+    full = {i: tuple(j for j in theirs if j < i) for i in own}
+    if all(len(full[i]) == len(theirs) for i in own):
+        return (AttentionBlock(own, theirs, False),)
+    by_keys: dict[tuple[int, ...], list[int]] = {}
+    for i in own:
+        if full[i]:
+            by_keys.setdefault(full[i], []).append(i)
+    blocks = [AttentionBlock(tuple(qs), ks, False) for ks, qs in by_keys.items()]
+    return tuple(blocks + [AttentionBlock((i,), (i,), True) for i in own if i in theirs])
+
+
+def ring_attention_schedule(
+    n: int, rank: int, *, causal: bool = False, layout: str = "contiguous"
+) -> tuple[AttentionHop, ...]:
+    """What ``rank`` of ``n`` computes at each of the N hops (K/V moves to rank r+1 per hop).
+
+    >>> [len(h.blocks) for h in ring_attention_schedule(4, 0, causal=True)]   # rank 0 idles
+    [1, 0, 0, 0]
+    >>> ring_attention_schedule(2, 0, causal=True, layout="zigzag")[1].blocks
+    (AttentionBlock(q_chunks=(3,), k_chunks=(1, 2), causal=False),)
+    """
+    check_int(n, "n (the number of ranks)", 1)
+    check_int(rank, "rank", 0, n)
+    own = layout_chunks(n, rank, layout)
+    hops = []
+    for t in range(n):
+        source = (rank - t) % n
+        theirs = layout_chunks(n, source, layout)
+        blocks = _causal_blocks(own, theirs) if causal else (AttentionBlock(own, theirs, False),)
+        hops.append(AttentionHop(t, source, blocks))
+    return tuple(hops)
+
+
+def schedule_work(schedule: Sequence[AttentionHop]) -> list[float]:
+    """Work per hop in chunk-pair units (a diagonal block counts one half).
+
+    >>> [schedule_work(ring_attention_schedule(4, r, causal=True)) for r in (0, 3)]
+    [[0.5, 0, 0, 0], [0.5, 1, 1, 1]]
+    """
+    return [
+        sum(len(b.q_chunks) * len(b.k_chunks) * (0.5 if b.causal else 1) for b in h.blocks)
+        for h in schedule
+    ]
 
 
 def _span(chunks: tuple[int, ...], held: tuple[int, ...], size: int) -> slice:
@@ -92,75 +168,64 @@ def _add(parts: list[Any], first: int, value: torch.Tensor, size: int, dim: int)
         parts[first + j] = piece if parts[first + j] is None else parts[first + j] + piece
 
 
-class _Plan(NamedTuple):
-    """Everything a rank's forward and backward ring need besides the tensors."""
-
-    n: int
-    rank: int
-    ring: Ring
-    layout: str
-    scale: float
-    acc: torch.dtype
-    schedule: tuple[AttentionHop, ...]
-
-    def send(self, x: torch.Tensor) -> Handle:
-        """Start every rank's ``x`` to rank r+1 (group-local): one permute, checked once at
-        the op's boundary (:class:`~xla_permute.backends.select.Ring`); ``wait()`` where it is
-        used."""
-        return self.ring.send(x, 1)
-
-    def chunks(self, rank: int) -> tuple[int, ...]:
-        return layout_chunks(self.n, rank, self.layout)
+def _attend(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One block's online-softmax state ``(o, m, l)``: ``q [B, Hkv, G, m, D]`` (scaled), ``k,
+    v [B, Hkv, n, D]`` -> ``o [B, Hkv, G, m, D]`` (unnormalised), ``m, l [B, Hkv, G, m]``: per
+    query row the largest score ``m`` and ``l = sum exp(s - m)``; ``o = exp(s - m) v``."""
+    s = _scores(q, k, 1.0, causal)
+    m = s.amax(dim=-1)  # finite: every row keeps at least its diagonal key
+    p = s.sub_(m[..., None]).exp_()  # in place: s is this block's own
+    return _rows(p, v), m, p.sum(dim=-1)
 
 
-def _keep(plan: _Plan, tensors: list[torch.Tensor]) -> None:
-    """Tie the tensors in one optimisation barrier, so that none drops out of the program.
-
-    A received K/V that no block uses would otherwise leave this rank's program, with the
-    permute that brought it, and the ranks that do issue that permute would wait forever.
-    """
-    plan.ring.keep(tensors)
+def _merge(a: tuple[torch.Tensor, ...], b: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor, ...]:
+    """The online-softmax merge of two states ``(o, m, l)`` of the same query rows, as flash
+    attention keeps it: ``m' = max(m_a, m_b)``, ``o' = o_a e^(m_a-m') + o_b e^(m_b-m')``,
+    ``l' = l_a e^(m_a-m') + l_b e^(m_b-m')``. Any order, one block at a time; the module's
+    ``(out, lse)`` form is ``out = o / l``, ``lse = m + log l``, taken once at the end."""
+    (o_a, m_a, l_a), (o_b, m_b, l_b) = a, b
+    top = torch.maximum(m_a, m_b)
+    wa, wb = torch.exp(m_a - top), torch.exp(m_b - top)
+    return o_a * wa[..., None] + o_b * wb[..., None], top, l_a * wa + l_b * wb
 
 
 def _ring_forward(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    ring: Ring,
+    hops: Sequence[AttentionHop],
+    layout: str,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """``q [B, Hkv, G, S/N, D]`` (acc dtype), ``k, v [B, Hkv, S/N, D]`` -> out, lse (acc).
-
-    Online softmax, as flash attention keeps it: per query row the running maximum ``m``, the
-    sum ``l`` of ``exp(s - m)`` and the unnormalised output ``o``; one ``exp`` of each block's
-    scores, the division and the log once at the end (``out = o / l``, ``lse = m + log l``).
-    """
-    own = plan.chunks(plan.rank)
+    """``q [B, Hkv, G, S/N, D]`` (acc dtype), ``k, v [B, Hkv, S/N, D]`` -> out, lse (acc):
+    each hop's blocks (:func:`_attend`) merged (:func:`_merge`) into the state of their
+    query chunk while the permute of the hop carries K/V on to rank r+1."""
+    n = ring.size
+    own = layout_chunks(n, ring.position, layout)
     size = q.shape[3] // len(own)
-    acc: list[Any] = [None] * len(own)  # per own chunk: (o, m, l)
+    state: list[Any] = [None] * len(own)  # per own chunk: (o, m, l)
     kv = torch.stack([k, v])  # K and V travel together: one permute per hop
-    q = q * plan.scale  # once, not on every block's scores
-    for hop in plan.schedule:
-        received = plan.send(kv) if hop.hop < plan.n - 1 else None  # started before the blocks
-        theirs = plan.chunks(hop.source)
+    q = q * scale  # once, not on every block's scores
+    for hop in hops:
+        received = ring.send(kv) if hop.hop < n - 1 else None  # started before the blocks
+        theirs = layout_chunks(n, hop.source, layout)
         for block in hop.blocks:
             qs, ks = _span(block.q_chunks, own, size), _span(block.k_chunks, theirs, size)
-            s = _scores(q[:, :, :, qs], kv[0, :, :, ks].to(plan.acc), 1.0, block.causal)
-            m_b = s.amax(dim=-1)  # finite: every row keeps at least its diagonal key
-            p = s.sub_(m_b[..., None]).exp_()  # in place: s is this block's own
-            o_b, l_b = _rows(p, kv[1, :, :, ks].to(plan.acc)), p.sum(dim=-1)
+            k_b, v_b = kv[0, :, :, ks].to(q.dtype), kv[1, :, :, ks].to(q.dtype)
+            parts = _attend(q[:, :, :, qs], k_b, v_b, block.causal)
             first = own.index(block.q_chunks[0])
-            pieces = zip(o_b.split(size, 3), m_b.split(size, 3), l_b.split(size, 3), strict=True)
-            for j, (o_j, m_j, l_j) in enumerate(pieces):
-                i = first + j
-                if acc[i] is None:
-                    acc[i] = (o_j, m_j, l_j)
-                    continue
-                o_i, m_i, l_i = acc[i]
-                top = torch.maximum(m_i, m_j)
-                a, b = torch.exp(m_i - top), torch.exp(m_j - top)
-                acc[i] = (o_i * a[..., None] + o_j * b[..., None], top, l_i * a + l_j * b)
+            for i, part in enumerate(zip(*(t.split(size, 3) for t in parts), strict=True), first):
+                state[i] = part if state[i] is None else _merge(state[i], part)
         if received is not None:
             kv = received.wait()
-    out = torch.cat([o / total[..., None] for o, _, total in acc], 3)
-    lse = torch.cat([m + torch.log(total) for _, m, total in acc], 3)
-    _keep(plan, [out, lse, kv])
+    out = torch.cat([o / total[..., None] for o, _, total in state], 3)
+    lse = torch.cat([m + torch.log(total) for _, m, total in state], 3)
+    # One optimisation barrier: a received K/V that no block used would otherwise leave this
+    # rank's program with the permute that brought it, and its neighbour would wait forever.
+    ring.keep([out, lse, kv])
     return out, lse
 
 
@@ -171,7 +236,10 @@ def _ring_backward(
     out: torch.Tensor,
     lse: torch.Tensor,
     dout: torch.Tensor,
-    plan: _Plan,
+    ring: Ring,
+    hops: Sequence[AttentionHop],
+    layout: str,
+    scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """All in acc dtype, grouped: ``q, out, dout [B, Hkv, G, S/N, D]`` -> dq, dk, dv.
 
@@ -180,30 +248,31 @@ def _ring_backward(
     share, computed at hop i-1), so no hop's blocks wait for its permute. Hop 0 sends K/V
     alone, hop N-1 dK/dV alone; a last permute brings each dK/dV home: N+1 in all.
     """
-    n = plan.n
-    own = plan.chunks(plan.rank)
+    n = ring.size
+    own = layout_chunks(n, ring.position, layout)
     size = q.shape[3] // len(own)
     delta = (dout * out).sum(-1)  # [B, Hkv, G, S/N]
     dq: list[Any] = [None] * len(own)
     kv = torch.stack([k, v])
     arrived = None  # dK/dV of the block held one hop back, summed over the ranks before this
     mine = None  # this rank's dK/dV of that block (None: it computed none of it)
-    for hop in plan.schedule:
+    for hop in hops:
         i = hop.hop
         if n > 1:  # K/V ahead, dK/dV behind: ready before this hop's blocks
             behind = [_plus(arrived, mine, kv)] if i > 0 else []
             ahead = [kv] if i < n - 1 else []
-            sent = plan.send(torch.cat(ahead + behind) if i and i < n - 1 else (ahead + behind)[0])
-        mine = _block_grads(q, kv, lse, dout, delta, dq, own, hop, size, plan)
+            sent = ring.send(torch.cat(ahead + behind) if i and i < n - 1 else (ahead + behind)[0])
+        theirs = layout_chunks(n, hop.source, layout)
+        mine = _block_grads(q, kv, lse, dout, delta, dq, own, theirs, hop, size, scale)
         if n > 1:
             received = sent.wait()
             kv, arrived = (
                 (received[:2], received[2:] if i else None) if i < n - 1 else (kv, received)
             )
     home = _plus(arrived, mine, kv)
-    dkv = plan.send(home).wait() if n > 1 else home  # the last permute: home to the owner
+    dkv = ring.send(home).wait() if n > 1 else home  # the last permute: home to the owner
     grad_q = torch.cat([torch.zeros_like(q[:, :, :, :size]) if d is None else d for d in dq], 3)
-    _keep(plan, [grad_q, dkv, kv])  # a last K/V no block used stays in the program
+    ring.keep([grad_q, dkv, kv])  # a last K/V no block used stays in the program
     return grad_q, dkv[0], dkv[1]
 
 
@@ -222,24 +291,24 @@ def _block_grads(
     delta: torch.Tensor,
     dq: list[Any],
     own: tuple[int, ...],
+    theirs: tuple[int, ...],
     hop: AttentionHop,
     size: int,
-    plan: _Plan,
+    scale: float,
 ) -> torch.Tensor | None:
     """This rank's ``[dk, dv]`` of the K/V block ``kv`` it holds at ``hop`` (None: no block
     there), and its dQ added into ``dq``."""
     if not hop.blocks:
         return None
-    theirs = plan.chunks(hop.source)
     kk, vv = kv[0], kv[1]
     dk: list[Any] = [None] * len(theirs)
     dv: list[Any] = [None] * len(theirs)
     for block in hop.blocks:
         qs, ks = _span(block.q_chunks, own, size), _span(block.k_chunks, theirs, size)
         q_b, do_b = q[:, :, :, qs], dout[:, :, :, qs]
-        s = _scores(q_b, kk[:, :, ks], plan.scale, block.causal)
+        s = _scores(q_b, kk[:, :, ks], scale, block.causal)
         p = torch.exp(s - lse[:, :, :, qs, None])
-        ds = p * (_scores(do_b, vv[:, :, ks], 1.0, False) - delta[:, :, :, qs, None]) * plan.scale
+        ds = p * (_scores(do_b, vv[:, :, ks], 1.0, False) - delta[:, :, :, qs, None]) * scale
         first_k = theirs.index(block.k_chunks[0])
         _add(dv, first_k, _cols(p, do_b), size, 2)
         _add(dk, first_k, _cols(ds, q_b), size, 2)
@@ -249,33 +318,34 @@ def _block_grads(
 
 
 class _RingAttention(torch.autograd.Function):
-    """``out = attention(q, k, v)`` over the ring; backward: the ring of dK/dV (see module)."""
+    """``out = attention(q, k, v)`` over the ring; backward: the ring of dK/dV (see module).
+    ``meta``: ``(ring, hops, layout, scale)``, what both rings need besides the tensors."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, plan: _Plan):  # noqa: ANN205
+    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: tuple):  # noqa: ANN205
         b, hq, s, d = q.shape
         hkv = k.shape[1]
-        qg = q.reshape(b, hkv, hq // hkv, s, d).to(plan.acc)
-        out, lse = _ring_forward(qg, k, v, plan)
-        ctx.plan = plan
+        qg = q.reshape(b, hkv, hq // hkv, s, d).to(accumulation_dtype(q.dtype))
+        out, lse = _ring_forward(qg, k, v, *meta)
+        ctx.meta = meta
         ctx.save_for_backward(q, k, v, out, lse)
         return out.reshape(b, hq, s, d).to(q.dtype)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor):  # noqa: ANN205
         q, k, v, out, lse = ctx.saved_tensors
-        plan: _Plan = ctx.plan
+        acc = out.dtype
         b, hq, s, d = q.shape
         hkv = k.shape[1]
         grouped = (b, hkv, hq // hkv, s, d)
         dq, dk, dv = _ring_backward(
-            q.reshape(grouped).to(plan.acc),
-            k.to(plan.acc),
-            v.to(plan.acc),
+            q.reshape(grouped).to(acc),
+            k.to(acc),
+            v.to(acc),
             out,
             lse,
-            grad.reshape(grouped).to(plan.acc),
-            plan,
+            grad.reshape(grouped).to(acc),
+            *ctx.meta,
         )
         return dq.reshape(b, hq, s, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
@@ -389,32 +459,15 @@ def ring_attention(
             before the ring.
     """
     scale_, chosen = _check(q, k, v, causal, layout, scale, "ring_attention", backend)
-    ring_ = ring(groups, backend=chosen)
-    n, rank = ring_.size, ring_.position
-    _agree("ring_attention", q, k, ring_, causal=causal, layout=layout, scale=scale_)
+    ring = Ring.build(groups, backend=chosen)
+    options = {"groups": ring.groups, "backend": chosen.name, "causal": causal}
+    options |= {"layout": layout, "scale": scale_}
+    debug.agree("ring_attention", {"q": q, "k": k}, options, backend=chosen)
     if q.numel() == 0 or k.numel() == 0:  # every rank agrees: no collective
         return q * 0 + (k.sum() + v.sum()) * 0
-    acc = accumulation_dtype(q.dtype)
-    ring_.check(acc)
-    schedule = ring_attention_schedule(n, rank, causal=causal, layout=layout)
-    plan = _Plan(n, rank, ring_, layout, scale_, acc, schedule)
-    return _RingAttention.apply(q, k, v, plan)
-
-
-def _agree(op: str, q: torch.Tensor, k: torch.Tensor, ring_: Ring, **opts: Any) -> None:
-    """Debug mode (:mod:`xla_permute.debug`): every rank passes the same shapes, dtype,
-    groups and options, each on its own device; else raise on every rank at the boundary."""
-    from xla_permute import debug
-
-    options = {"groups": ring_.groups, "backend": ring_.backend.name, **opts}
-    debug.agree(op, {"q": q, "k": k}, options, backend=ring_.backend)
-
-
-def _positions(n: int, rank: int, layout: str, length: int) -> torch.Tensor:
-    """Global sequence positions of the ``length`` local rows of ``rank``."""
-    chunks = layout_chunks(n, rank, layout)
-    size = length // len(chunks)
-    return torch.cat([torch.arange(c * size, (c + 1) * size) for c in chunks])
+    ring.check(accumulation_dtype(q.dtype))
+    hops = ring_attention_schedule(ring.size, ring.position, causal=causal, layout=layout)
+    return _RingAttention.apply(q, k, v, (ring, hops, layout, scale_))
 
 
 def all_gather_attention(
@@ -432,22 +485,18 @@ def all_gather_attention(
     whole ``[2, B, Hkv, S, D]`` K/V and a ``[B, Hq, S/N, S]`` score matrix; the attention
     waits for the all-gather. Backward by autograd (a reduce-scatter of dK/dV).
     """
-    from xla_permute.collectives import all_gather
-
     scale_, chosen = _check(q, k, v, causal, layout, scale, "all_gather_attention")
     if q.numel() == 0 or k.numel() == 0:
         return q * 0 + (k.sum() + v.sum()) * 0
     n, rank = chosen.world_size(), chosen.rank()
     (b, hq, s, d), hkv = q.shape, k.shape[1]
     acc = accumulation_dtype(q.dtype)
-    kv = all_gather(torch.stack([k, v]), dim=3, backend=chosen.name).to(
-        acc
-    )  # [2, B, Hkv, N*S/N, D]
+    kv = all_gather(torch.stack([k, v]), dim=3, backend=chosen.name).to(acc)  # [2, B, Hkv, S, D]
     qg = q.reshape(b, hkv, hq // hkv, s, d).to(acc)
     scores = _scores(qg, kv[0], scale_, False)
     if causal:
-        keys = torch.cat([_positions(n, r, layout, s) for r in range(n)])
-        above = keys[None, :] > _positions(n, rank, layout, s)[:, None]
+        keys = torch.cat([layout_positions(n, r, layout, s) for r in range(n)])
+        above = keys[None, :] > layout_positions(n, rank, layout, s)[:, None]
         scores = scores.masked_fill(above.to(q.device), float("-inf"))
     out = _rows(torch.softmax(scores, dim=-1), kv[1])
     return out.reshape(b, hq, s, d).to(q.dtype)

@@ -33,6 +33,7 @@ from typing import Any
 
 import torch
 
+from xla_permute import debug
 from xla_permute.backends.select import CommBackend, check_tensor
 from xla_permute.pairs import Groups, GroupsLike, check_dim, check_groups
 
@@ -73,20 +74,25 @@ class _ReduceScatter(torch.autograd.Function):
         return back, None, None, None
 
 
-def _agree_dim(op: str, x: torch.Tensor, dim: int, groups: Groups, backend: CommBackend) -> None:
-    """The agreement check (:mod:`xla_permute.debug`): every rank passes the same shape, dtype,
-    dim and groups, and its own device; else every rank raises before the collective."""
-    from xla_permute import debug
-
-    options = {"dim": dim, "groups": [list(g) for g in groups]}
-    debug.agree(op, {"x": x}, options, backend=backend)
-
-
-def _begin(x: object, dim: object, groups: GroupsLike, backend: str, op: str) -> tuple[Any, ...]:
-    """The op's boundary: ``(x, dim, checked groups, backend)``."""
+def _begin(
+    x: object, dim: object, groups: GroupsLike, backend: str, op: str, scatter: bool = False
+) -> tuple[Any, ...]:
+    """The op's boundary (``scatter``: ``x.shape[dim]`` must divide by the group size):
+    ``(dim, checked groups, backend)``, after the agreement check
+    (:mod:`xla_permute.debug`: every rank passes the same shape, dtype, dim and groups, and
+    its own device; else every rank raises before the collective)."""
     chosen = check_tensor(x, "x", backend)
     assert isinstance(x, torch.Tensor)
-    return x, check_dim(dim, x.shape, op=op), check_groups(groups, chosen.world_size()), chosen
+    dim, checked = check_dim(dim, x.shape, op=op), check_groups(groups, chosen.world_size())
+    if scatter and x.shape[dim] % len(checked[0]):
+        n = len(checked[0])
+        raise ValueError(
+            f"reduce_scatter: x.shape[{dim}] = {x.shape[dim]} is not divisible by the {n} ranks "
+            f"of the group; pad it to a multiple of {n}"
+        )
+    options = {"dim": dim, "groups": [list(g) for g in checked]}
+    debug.agree(op, {"x": x}, options, backend=chosen)
+    return dim, checked, chosen
 
 
 def all_gather(
@@ -98,8 +104,7 @@ def all_gather(
     block ``j`` is the ``j``-th rank of the group). An empty x gives the empty result without a
     collective. In debug mode the ranks first check that they agree (:mod:`xla_permute.debug`).
     """
-    x, dim, checked, chosen = _begin(x, dim, groups, backend, "all_gather")
-    _agree_dim("all_gather", x, dim, checked, chosen)
+    dim, checked, chosen = _begin(x, dim, groups, backend, "all_gather")
     if x.numel() == 0:
         return torch.cat([x] * len(checked[0]), dim)
     return _AllGather.apply(x, dim, checked, chosen)
@@ -115,14 +120,8 @@ def reduce_scatter(
     without a collective. In debug mode the ranks first check that they agree
     (:mod:`xla_permute.debug`).
     """
-    x, dim, checked, chosen = _begin(x, dim, groups, backend, "reduce_scatter")
+    dim, checked, chosen = _begin(x, dim, groups, backend, "reduce_scatter", scatter=True)
     n = len(checked[0])
-    if x.shape[dim] % n:
-        raise ValueError(
-            f"reduce_scatter: x.shape[{dim}] = {x.shape[dim]} is not divisible by the {n} ranks "
-            f"of the group; pad it to a multiple of {n}"
-        )
-    _agree_dim("reduce_scatter", x, dim, checked, chosen)
     if x.numel() == 0:
         _, position, _ = chosen.position(checked)
         return x.narrow(dim, position * (x.shape[dim] // n), x.shape[dim] // n)
@@ -209,8 +208,6 @@ def all_reduce(
     """
     chosen = check_tensor(x, "x", backend)
     checked = check_groups(groups, chosen.world_size())
-    from xla_permute import debug
-
     debug.agree("all_reduce", {"x": x}, {"groups": [list(g) for g in checked]}, backend=chosen)
     if x.numel() == 0 or len(checked[0]) == 1:
         return x.clone()
@@ -258,8 +255,6 @@ def all_reduce_gradients(
     described = [
         None if p.grad is None else (tuple(p.grad.shape), str(p.grad.dtype)) for p in params
     ]
-    from xla_permute import debug
-
     options = {"gradients": repr(described), "groups": [list(g) for g in checked]}
     debug.agree("all_reduce_gradients", {"parameters[0].grad": grads[0]}, options, backend=chosen)
     if len(checked[0]) == 1:

@@ -3,8 +3,8 @@
 Tensor parallelism multiplies a sharded activation by a sharded weight and needs a collective
 before (all-gather) or after (reduce-scatter) the matmul. Decomposing the collective into N-1
 CollectivePermutes lets every step's matmul run while the next block is in flight (Wang et al.,
-ASPLOS 2023; JAX shard_map collective matmul; PyTorch async TP). The schedules are in
-:mod:`xla_permute.schedule`.
+ASPLOS 2023; JAX shard_map collective matmul; PyTorch async TP). The rings and their
+schedules are in :mod:`xla_permute.matmul_ring`.
 
 Per-rank shapes (``N`` ranks of the group, ``dim`` the sharded dimension of x, never its last):
 
@@ -29,10 +29,9 @@ concatenate of all N at the end: it holds about three x blocks (own, worked on, 
 plus w and the output; with ``chunks=c`` each block travels as c chunks, one chunk all the way
 round before the next, and two chunks replace two of those blocks. Matmul-reduce-scatter reads
 x in row slices at most half the partial sum they add to, each read waiting for the data of
-the product before it (``_take``): XLA:CPU, free to schedule reads of a parameter, would
-otherwise copy all N blocks of x before the first matmul. It then holds x, w, one chunk and a
-few partial sums: at most the baseline's x plus ``x @ w``. The rings themselves (forward and
-backward) are in :mod:`xla_permute.matmul_ring`.
+the product before it (XLA:CPU, free to schedule reads of a parameter, would otherwise copy all
+N blocks of x before the first matmul; :mod:`xla_permute.matmul_ring`). It then holds x, w,
+one chunk and a few partial sums: at most the baseline's x plus ``x @ w``.
 Empty inputs (0 rows, ``K = 0``, ``F = 0``) give the empty (or zero) result without a
 collective.
 """
@@ -44,8 +43,8 @@ from typing import Any
 
 import torch
 
-from xla_permute import collectives
-from xla_permute.backends.select import BackendName, CommBackend, Ring, check_tensor, ring
+from xla_permute import collectives, debug
+from xla_permute.backends.select import BackendName, Ring, check_tensor
 from xla_permute.matmul_ring import _block, _RingMatmul
 from xla_permute.pairs import GroupsLike, check_dim, check_groups, check_int
 from xla_permute.reference import accumulation_dtype
@@ -72,20 +71,25 @@ def _as_weights(w: object, op: str) -> tuple[list[torch.Tensor], bool]:
     raise TypeError(f"{op}: w must be a tensor [K, F] or a non-empty list of them, got {w!r}")
 
 
-def _check(
-    x: torch.Tensor,
-    ws: list[torch.Tensor],
-    dim: int,
+def _begin(
     op: str,
-    sharded: bool,
-    n: int,
-    backend: CommBackend,
-) -> int:
-    """Validate the inputs of ``op`` and return ``dim`` normalised to be non-negative (``x``
-    was checked against ``backend`` already)."""
+    x: object,
+    ws: list[torch.Tensor],
+    dim: object,
+    groups: GroupsLike,
+    backend: str,
+    *,
+    sharded: bool = False,
+    bidirectional: bool = False,
+) -> tuple[int, Ring]:
+    """The op's boundary: check the inputs of ``op`` (x against the backend it resolves to)
+    and return ``dim`` normalised to be non-negative and this rank's ring."""
+    chosen = check_tensor(x, "x", backend)
+    assert isinstance(x, torch.Tensor)
+    ring = Ring.build(groups, backend=chosen, bidirectional=bidirectional)
     for i, w in enumerate(ws):
         name = "w" if len(ws) == 1 else f"w[{i}]"
-        w = backend.check_tensor(w, name)
+        w = chosen.check_tensor(w, name)
         if w.dim() != 2:
             raise ValueError(f"{op}: {name} must be 2-D [K, F], got shape {tuple(w.shape)}")
         if x.dim() < 2:
@@ -106,12 +110,13 @@ def _check(
             f"{op}: dim={dim} is the contracted (last) dimension of x; shard a row or sequence "
             f"dimension instead (e.g. dim=0 for [rows, K], dim=1 for [batch, seq, K])"
         )
+    n = ring.size
     if sharded and x.shape[dim] % n:
         raise ValueError(
             f"{op}: x.shape[{dim}] = {x.shape[dim]} is not divisible by the {n} ranks; the "
             f"reduce-scatter gives every rank an equal block, so pad it to a multiple of {n}"
         )
-    return dim
+    return dim, ring
 
 
 def _agree(
@@ -120,8 +125,6 @@ def _agree(
     """Debug mode (:mod:`xla_permute.debug`): every rank of the world passes the same shapes,
     dtypes, dim, groups and options, each on its own device; else raise on every rank before
     the first collective (and before the shortcut for empty inputs)."""
-    from xla_permute import debug
-
     tensors = {"x": x, "w": ws[0] if len(ws) == 1 else ws}
     debug.agree(op, tensors, {"dim": dim, "groups": ring.groups, **opts}, backend=ring.backend)
 
@@ -140,14 +143,6 @@ def _check_chunks(chunks: object, x: torch.Tensor, dim: int) -> None:
 
 def _empty_or_single(x: torch.Tensor, ws: list[torch.Tensor], ring: Ring) -> bool:
     return ring.size == 1 or x.numel() == 0 or any(w.numel() == 0 for w in ws)
-
-
-def _ring(
-    x: object, groups: GroupsLike, backend: str, bidirectional: bool = False
-) -> tuple[torch.Tensor, Ring]:
-    """The op's boundary: ``x`` checked against the backend it resolves to, this rank's ring."""
-    chosen = check_tensor(x, "x", backend)
-    return x, ring(groups, backend=chosen, bidirectional=bidirectional)  # type: ignore[return-value]
 
 
 def all_gather_matmul(
@@ -184,26 +179,18 @@ def all_gather_matmul(
         x or w: ``x @ w`` repeated N times along ``dim`` (all zeros or empty), without a
         collective.
     """
-    ws, single = _as_weights(w, "all_gather_matmul")
-    x, ring_ = _ring(x, groups, backend, bidirectional)
-    dim = _check(x, ws, dim, "all_gather_matmul", False, ring_.size, ring_.backend)
+    op = "all_gather_matmul"
+    ws, single = _as_weights(w, op)
+    dim, ring = _begin(op, x, ws, dim, groups, backend, bidirectional=bidirectional)
     _check_chunks(chunks, x, dim)
-    _agree(
-        "all_gather_matmul",
-        x,
-        ws,
-        dim,
-        ring_,
-        bidirectional=bool(bidirectional),
-        backend=ring_.backend.name,
-        chunks=chunks,
-    )
-    n = ring_.size
-    if _empty_or_single(x, ws, ring_):
+    opts = {"bidirectional": bool(bidirectional), "backend": ring.backend.name, "chunks": chunks}
+    _agree(op, x, ws, dim, ring, **opts)
+    n = ring.size
+    if _empty_or_single(x, ws, ring):
         ys = tuple(torch.cat([x @ wi] * n, dim) if n > 1 else x @ wi for wi in ws)
     else:
-        ring_.check(x.dtype)
-        ys = _RingMatmul.apply((dim, ring_, True, None, chunks), x, *ws)
+        ring.check(x.dtype)
+        ys = _RingMatmul.apply((dim, ring, True, None, chunks), x, *ws)
     return ys[0] if single else ys
 
 
@@ -239,23 +226,15 @@ def matmul_reduce_scatter(
     """
     if not isinstance(w, torch.Tensor):
         raise TypeError(f"matmul_reduce_scatter: w must be a tensor [K, F], got {type(w)}")
-    x, ring_ = _ring(x, groups, backend, bidirectional)
-    dim = _check(x, [w], dim, "matmul_reduce_scatter", True, ring_.size, ring_.backend)
+    op = "matmul_reduce_scatter"
+    dim, ring = _begin(op, x, [w], dim, groups, backend, sharded=True, bidirectional=bidirectional)
     acc = accumulation_dtype(x.dtype, reduce_dtype)
-    _agree(
-        "matmul_reduce_scatter",
-        x,
-        [w],
-        dim,
-        ring_,
-        bidirectional=bool(bidirectional),
-        reduce_dtype=acc,
-        backend=ring_.backend.name,
-    )
-    if _empty_or_single(x, [w], ring_):
-        return _block(x @ w, ring_.position, ring_.size, dim)
-    ring_.check(acc)
-    return _RingMatmul.apply((dim, ring_, False, acc, 1), x, w)
+    opts = {"bidirectional": bool(bidirectional), "reduce_dtype": acc, "backend": ring.backend.name}
+    _agree(op, x, [w], dim, ring, **opts)
+    if _empty_or_single(x, [w], ring):
+        return _block(x @ w, ring.position, ring.size, dim)
+    ring.check(acc)
+    return _RingMatmul.apply((dim, ring, False, acc, 1), x, w)
 
 
 def all_gather_then_matmul(
@@ -270,14 +249,13 @@ def all_gather_then_matmul(
     one matmul per weight. Same result and shapes as :func:`all_gather_matmul`; holds the
     gathered x."""
     ws, single = _as_weights(w, "all_gather_then_matmul")
-    x, ring_ = _ring(x, groups, backend)
-    dim = _check(x, ws, dim, "all_gather_then_matmul", False, ring_.size, ring_.backend)
-    _agree("all_gather_then_matmul", x, ws, dim, ring_)
-    if _empty_or_single(x, ws, ring_):
-        ys = tuple(torch.cat([x @ wi] * ring_.size, dim) for wi in ws)
+    dim, ring = _begin("all_gather_then_matmul", x, ws, dim, groups, backend)
+    _agree("all_gather_then_matmul", x, ws, dim, ring)
+    if _empty_or_single(x, ws, ring):
+        ys = tuple(torch.cat([x @ wi] * ring.size, dim) for wi in ws)
     else:
-        checked = check_groups(ring_.groups, ring_.backend.world_size())
-        full = collectives.all_gather_checked(x, dim, checked, ring_.backend)
+        checked = check_groups(ring.groups, ring.backend.world_size())
+        full = collectives.all_gather_checked(x, dim, checked, ring.backend)
         ys = tuple(full @ wi for wi in ws)
     return ys[0] if single else ys
 
@@ -294,12 +272,11 @@ def matmul_then_reduce_scatter(
     """Baseline: one matmul, then upstream reduce-scatter (channel id; ``reduce_scatter_tensor``
     on c10d) in ``reduce_dtype`` (:func:`~xla_permute.reference.accumulation_dtype`). Same
     result and shapes as :func:`matmul_reduce_scatter`."""
-    x, ring_ = _ring(x, groups, backend)
-    dim = _check(x, [w], dim, "matmul_then_reduce_scatter", True, ring_.size, ring_.backend)
+    dim, ring = _begin("matmul_then_reduce_scatter", x, [w], dim, groups, backend, sharded=True)
     acc = accumulation_dtype(x.dtype, reduce_dtype)
-    _agree("matmul_then_reduce_scatter", x, [w], dim, ring_, reduce_dtype=acc)
-    if _empty_or_single(x, [w], ring_):
-        return _block(x @ w, ring_.position, ring_.size, dim)
+    _agree("matmul_then_reduce_scatter", x, [w], dim, ring, reduce_dtype=acc)
+    if _empty_or_single(x, [w], ring):
+        return _block(x @ w, ring.position, ring.size, dim)
     partial = x.to(acc) @ w.to(acc)
-    checked = check_groups(ring_.groups, ring_.backend.world_size())
-    return collectives.reduce_scatter_checked(partial, dim, checked, ring_.backend).to(x.dtype)
+    checked = check_groups(ring.groups, ring.backend.world_size())
+    return collectives.reduce_scatter_checked(partial, dim, checked, ring.backend).to(x.dtype)

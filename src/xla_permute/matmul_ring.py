@@ -1,75 +1,98 @@
-"""The rings of collective matmul: the forward and backward of :mod:`xla_permute.matmul`.
+"""The rings of collective matmul: their schedules as data, and the forward and backward that
+run them (the public ops, their checks and baselines are in :mod:`xla_permute.matmul`).
 
-The public ops (argument checks, the boundary, the baselines) are in :mod:`xla_permute.matmul`;
-this module holds what they run once the inputs are checked: every rank's block passed round
-the ring (``_stream``), the two rings (all-gather-matmul writing each product into its rows of
-the output, matmul-reduce-scatter adding partial sums as they travel), the weight gradients
-streamed round the ring once more, and the autograd function over them (``_RingMatmul``).
+All-gather-matmul: every rank must multiply every rank's x block. Unidirectional: at step ``t``
+rank ``r`` holds the block of rank ``r - t`` (mod N), multiplies it and, unless it is the last
+step, passes it on to ``r + 1``: N steps, N-1 permutes. Bidirectional: blocks also travel to
+``r - 1``; at step ``t`` rank ``r`` holds the blocks of ``r - t`` and ``r + t``: ``N//2 + 1``
+steps, still N-1 permutes (``N//2`` one way, ``(N-1)//2`` the other), odd N included.
 
-Reads of x wait for the data before them (``_take``, ``_zero_after``): XLA:CPU, free to
-schedule reads of a parameter, would otherwise copy all N blocks of x before the first matmul.
-Matmul-reduce-scatter reads each block in row slices at most half the partial sum they add to
-(``_row_slices``). The partial sums travel in :func:`~xla_permute.reference.accumulation_dtype`.
+Matmul-reduce-scatter: the partial sums of block ``b`` travel and collect one contribution per
+rank, arriving at rank ``b`` last. Unidirectional: at step ``t`` rank ``r`` adds its contribution
+to block ``r - t - 1`` (mod N) and passes the sum on; bidirectional: one sum travels each way and
+the two meet at their block. The partial sums travel in
+:func:`~xla_permute.reference.accumulation_dtype`.
+
+The rings iterate over these schedules, and the docs draw them, so the figure is the schedule
+that runs. What the rings do besides the pages' loops (tutorial 03) is in one section at the
+end: XLA:CPU's read ordering and the eager (c10d) writes.
+
+>>> [s.blocks for s in all_gather_schedule(4, rank=1)]
+[(1,), (0,), (3,), (2,)]
+>>> [(s.blocks, s.sends) for s in all_gather_schedule(4, rank=1, bidirectional=True)]
+[((1,), (1, -1)), ((0, 2), (1,)), ((3,), ())]
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from xla_permute.backends.select import Handle, Ring
+from xla_permute.pairs import check_int
 from xla_permute.reference import accumulation_dtype
-from xla_permute.schedule import all_gather_schedule, reduce_scatter_schedule
+
+__all__ = ["RingStep", "all_gather_schedule", "reduce_scatter_schedule", "ring_steps"]
 
 
-def _block(t: torch.Tensor, index: int, n: int, dim: int) -> torch.Tensor:
-    """Block ``index`` of ``n`` equal blocks of ``t`` along ``dim`` (``narrow``: one slice)."""
-    size = t.shape[dim] // n
-    return t.narrow(dim, index * size, size)
+@dataclass(frozen=True)
+class RingStep:
+    """One step on one rank.
 
-
-def _rows(t: torch.Tensor) -> torch.Tensor:
-    """Merge every dimension but the last: ``[..., c] -> [rows, c]``."""
-    return t.reshape(-1, t.shape[-1])
-
-
-def _zero_after(t: torch.Tensor) -> torch.Tensor:
-    """An int64 zero computed from ``t``'s last element (finite or not): added to an index,
-    it makes a read wait for ``t``. XLA folds no float ``* 0``; the last element depends on
-    the last part written (a concatenate's last chunk, a sum's newest term)."""
-    zero = t.reshape(-1)[-1] * 0  # +-0, or NaN where the element is not finite
-    return torch.where(zero == 0, zero, torch.zeros_like(zero)).to(torch.int64)
-
-
-def _take(
-    t: torch.Tensor, dim: int, count: int, index: int | torch.Tensor, after: Any = None
-) -> torch.Tensor:
-    """Piece ``index`` of ``count`` equal pieces of ``t`` along ``dim``.
-
-    ``index``: an int, or an int64 0-dim tensor on ``t``'s device (computed from this rank's
-    position, so that every rank traces one program). ``after``: a tensor the read waits for.
-    XLA:CPU drops optimisation barriers before it schedules, and schedules every slice of a
-    parameter at the start: the N row blocks of x, all alive at once. An index computed from
-    ``after``'s data is a dependency it keeps, so each piece is read (copied) only when the one
-    before it has been used.
+    ``blocks``: the block ids this rank multiplies at this step, one per direction (``+1``
+    first). For all-gather-matmul a block id is the rank whose x block is multiplied; for
+    matmul-reduce-scatter it is the output block whose partial sum gets this rank's
+    contribution. ``sends``: the directions (``+1`` = to rank r+1, ``-1`` = to r-1) of the
+    permutes issued at this step; they carry this step's blocks (or sums) to the next step and
+    are not inputs of this step's matmuls.
     """
-    size = t.shape[dim] // count
-    if isinstance(index, int) and after is None:
-        return t.narrow(dim, index * size, size)
-    if isinstance(index, int):
-        index = torch.tensor(index).to(t.device)
-    if after is not None:
-        index = index + _zero_after(after)
-    return t.unflatten(dim, (count, size)).index_select(dim, index.reshape(1)).squeeze(dim)
+
+    step: int
+    blocks: tuple[int, ...]
+    sends: tuple[int, ...]
 
 
-def _position(ring: Ring, t: torch.Tensor) -> int | torch.Tensor:
-    """This rank's position: device data on an XLA device (one program for every rank)."""
-    if t.device.type != "xla":
-        return ring.position
-    return torch.tensor(ring.position, dtype=torch.int64).to(t.device)
+def ring_steps(n: int, bidirectional: bool) -> tuple[int, int]:
+    """Hops travelled in the ``+1`` and ``-1`` directions: ``(N-1, 0)`` or ``(N//2, (N-1)//2)``."""
+    n = check_int(n, "n", 1)
+    return (n // 2, (n - 1) // 2) if bidirectional else (n - 1, 0)
+
+
+def all_gather_schedule(n: int, rank: int, bidirectional: bool = False) -> list[RingStep]:
+    """The all-gather-matmul schedule of ``rank`` on a ring of ``n`` ranks."""
+    up, down = ring_steps(n, bidirectional)
+    steps = []
+    for t in range(up + 1):
+        blocks = [(rank - t) % n]
+        if 0 < t <= down:
+            blocks.append((rank + t) % n)
+        sends = [d for d, hops in ((1, up), (-1, down)) if t < hops]
+        steps.append(RingStep(t, tuple(blocks), tuple(sends)))
+    return steps
+
+
+def reduce_scatter_schedule(n: int, rank: int, bidirectional: bool = False) -> list[RingStep]:
+    """The matmul-reduce-scatter schedule of ``rank`` on a ring of ``n`` ranks.
+
+    The sum travelling ``+1`` that ends at block ``b`` starts on rank ``b - up`` and the one
+    travelling ``-1`` on rank ``b + down``; at the last step rank ``r`` adds its own
+    contribution to block ``r`` (listed once).
+
+    >>> [s.blocks for s in reduce_scatter_schedule(4, rank=0)]
+    [(3,), (2,), (1,), (0,)]
+    """
+    up, down = ring_steps(n, bidirectional)
+    steps = []
+    for t in range(up + 1):
+        blocks = [(rank + up - t) % n]
+        if t < down:
+            blocks.append((rank - down + t) % n)
+        sends = [d for d, hops in ((1, up), (-1, down)) if t < hops]
+        steps.append(RingStep(t, tuple(blocks), tuple(sends)))
+    return steps
 
 
 def _stream(
@@ -79,81 +102,49 @@ def _stream(
     dim: int = 0,
     chunks: int = 1,
 ) -> None:
-    """Pass every rank's ``block`` around the ring; call ``visit(source_position, piece, j)``
-    on each, ``piece`` the chunk ``j`` of ``chunks`` along ``dim`` (the whole block for 1).
+    """Hand every rank's ``block`` (``[..., m, ...]`` per rank, ``m`` at ``dim``) to ``visit``,
+    as this does, but without ever holding the gathered blocks::
 
-    The chunks go round one after another: chunk ``j + 1`` is read once chunk ``j`` has
-    arrived at its last hop, so a rank holds two chunks (worked on, in flight), not two blocks.
-    The permutes of a step are issued before that step's visits and carry the pieces the
-    visits use; no visit depends on a permute of its own step. They are waited for after the
-    visits (on c10d the transfer runs during them).
+        gathered = AllGather(block, dim).chunk(ring.size, dim)  # by position in the ring
+        for j in range(chunks):
+            for step in all_gather_schedule(ring.size, ring.position, ring.bidirectional):
+                for source in step.blocks:
+                    visit(source, gathered[source].chunk(chunks, dim)[j], j)
+
+    Chunk ``j + 1`` is read once chunk ``j`` has arrived at its last hop, so a rank holds two
+    chunks (worked on, in flight), not two blocks. A step's permutes are issued before its
+    visits and carry the pieces the next step visits; they are waited for after the visits
+    (on c10d the transfer runs during them), so no visit depends on a permute of its step.
     """
-    last = None
+    reads = _Reads(block)
     for j in range(chunks):
-        xla = block.device.type == "xla"
-        piece = block if chunks == 1 else _take(block, dim, chunks, j, last if xla else None)
+        piece = block if chunks == 1 else reads.read(block, dim, chunks, j, "chunk")
         held = {1: piece, -1: piece}
         for step in all_gather_schedule(ring.size, ring.position, ring.bidirectional):
             in_flight = {d: ring.send(held[d], d) for d in step.sends}
             for direction, source in zip((1, -1), step.blocks, strict=False):
                 visit(source, held[direction], j)
             held.update({d: handle.wait() for d, handle in in_flight.items()})
-        last = held[1]
+        reads.after("chunk", held[1])
 
 
 def _ring_all_gather_matmul(
     x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, ring: Ring, chunks: int = 1
 ) -> list[torch.Tensor]:
+    """``[AllGather(x, dim) @ w for w in ws]``: each product written into its rows of the
+    output as soon as it is made (:func:`_write`), so that it dies after its dot."""
     n, m = ring.size, x.shape[dim]
-    size = m // chunks
-    new = x.new_empty if ring.backend.eager else x.new_zeros  # eager: every row is written
-    outs = [new(*x.shape[:dim], n * m, *x.shape[dim + 1 : -1], w.shape[1]) for w in ws]
-    # Each product goes straight into its rows of the output (a scatter), so that it dies after
-    # its dot; a slice_scatter chain or a concatenate is fused by XLA into one op at the end,
-    # which keeps all N products alive. The rows are computed on the device from this rank's
-    # position (device data) and the step's offset (the same on every rank): every rank traces
-    # the same program, so the ranks share one compile and none arrives late at a rendezvous.
-    position = torch.tensor(ring.position, dtype=torch.int64).to(x.device)
-    rows = torch.arange(size, device=x.device)
+    outs = [x.new_zeros(*x.shape[:dim], n * m, *x.shape[dim + 1 : -1], w.shape[1]) for w in ws]
+    position = _position(ring, x)
 
     def multiply(source: int, x_piece: torch.Tensor, j: int) -> None:
-        offset = (source - ring.position) % n  # rank-independent
-        index = rows + (((position + offset) % n) * m + j * size)
+        offset = (source - ring.position) % n  # rank-independent: position holds the rank
+        start = (position + offset) % n * m + j * (m // chunks)  # block `source`, chunk j
         for i, w in enumerate(ws):
-            if ring.backend.eager:  # c10d: rows written in place (no traced program to share)
-                start = ((ring.position + offset) % n) * m + j * size
-                rows_ = outs[i].narrow(dim, start, size)
-                if rows_.is_contiguous() and x_piece.dim() == 2:
-                    torch.mm(x_piece, w, out=rows_)  # straight into the output: no copy
-                else:
-                    rows_.copy_(x_piece @ w)
-            else:
-                outs[i] = outs[i].index_copy(dim, index, x_piece @ w)
+            outs[i] = _write(outs[i], dim, start, x_piece @ w)
 
     _stream(x, ring, multiply, dim, chunks)
     return outs
-
-
-def _row_slices(
-    x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, n: int, acc: torch.dtype
-) -> int:
-    """How many row slices matmul-reduce-scatter reads each x block in: the fewest (a
-    divisor of the block's rows) whose slice of x is at most half the partial sum it adds to
-    (the bidirectional ring reads two at once). 1 whenever ``sum F >= 2 K`` in equal dtypes;
-    one row per slice when no divisor is fine enough. (Not the ``chunks=`` of
-    all-gather-matmul, the pieces a block travels in.)
-
-    >>> x = torch.zeros(4 * 1024, 4096)
-    >>> _row_slices(x, [torch.zeros(4096, 256)], 0, 4, torch.float32)
-    32
-    >>> _row_slices(torch.zeros(4 * 2, 6), [torch.zeros(6, 5)], 0, 4, torch.float32)
-    2
-    """
-    m = x.shape[dim] // n
-    piece = x.shape[-1] * x.element_size()  # bytes of x per row
-    summed = sum(w.shape[1] for w in ws) * acc.itemsize  # bytes of the partial sum per row
-    fits = (c for c in range(1, m + 1) if m % c == 0 and 2 * piece <= summed * c)
-    return next(fits, max(m, 1))  # none fits (K much larger than F): one row at a time
 
 
 def _ring_matmul_reduce_scatter(
@@ -163,40 +154,20 @@ def _ring_matmul_reduce_scatter(
     ring: Ring,
     acc: torch.dtype | None,
 ) -> torch.Tensor:
-    """``ReduceScatter(sum_i x_i @ ws[i])``: with one x, ``x_i = x``; with a list, one each.
-
-    Each block of x is read in :func:`_row_slices` slices, each read waiting (``_take``) for
-    the product before it, and a step's first read for the previous step's sum in its
-    direction: x is never copied whole, and the matmuls of step t wait for no permute issued
-    after step t-2 (the sum they will be added to waits for step t-1's).
-    """
+    """``ReduceScatter(sum_i x_i @ ws[i], dim)``: with one x, ``x_i = x``; with a list, one
+    each. At each step a rank adds its share of a block to the sum it received and passes it
+    on; the sum of block ``r`` arrives at rank ``r`` last, complete."""
     xs = list(x) if isinstance(x, (list, tuple)) else [x] * len(ws)
-    n = ring.size
     acc = acc or xs[0].dtype  # None (all-gather-matmul's backward): the input's dtype
-    slices = _row_slices(xs[0], ws, dim, n, acc)
-    xla = xs[0].device.type == "xla"
-    position = _position(ring, xs[0])
-    w_acc = [w.to(acc) for w in ws]
+    share = _Shares(xs, ws, dim, ring, acc)
     received: dict[int, Handle] = {}  # the latest sums in flight to this rank, per direction
     summed: dict[int, torch.Tensor] = {}
-    last: dict[int, Any] = {}  # per direction: what its next read of x waits for (XLA)
-    for step in reduce_scatter_schedule(n, ring.position, ring.bidirectional):
+    for step in reduce_scatter_schedule(ring.size, ring.position, ring.bidirectional):
         for direction, block in zip((1, -1), step.blocks, strict=False):
-            index = (position + (block - ring.position) % n) % n * slices  # rank-independent
-            parts = []
-            for _ in range(slices):
-                partial = None
-                for xi, w in zip(xs, w_acc, strict=True):
-                    after = last.get(direction) if xla else None
-                    term = _take(xi, dim, n * slices, index, after).to(acc) @ w
-                    partial = term if partial is None else partial + term
-                    last[direction] = term
-                parts.append(partial)
-                index = index + 1  # no new constant per chunk
-            partial = parts[0] if slices == 1 else torch.cat(parts, dim)
+            mine = share(block, direction)  # sum_i x_i's block @ ws[i], on this rank
             got = received.get(direction)
-            summed[direction] = got.wait() + partial if got is not None else partial
-            last[direction] = summed[direction]
+            summed[direction] = got.wait() + mine if got is not None else mine
+            share.after(direction, summed[direction])
         for d in step.sends:  # carries this step's sums; overlaps the next step's matmuls
             received[d] = ring.send(summed[d], d)
     out = summed[1] + received[-1].wait() if -1 in received else summed[1]
@@ -260,3 +231,137 @@ class _RingMatmul(torch.autograd.Function):
             (dx,) = _ring_all_gather_matmul(dy, [ws[0].T], dim, ring)
             dws = _stream_weight_grad(dy, [x], dim, False, ring, ws[0].dtype)
         return None, dx, *dws
+
+
+def _block(t: torch.Tensor, index: int, n: int, dim: int) -> torch.Tensor:
+    """Block ``index`` of ``n`` equal blocks of ``t`` along ``dim`` (``narrow``: one slice)."""
+    size = t.shape[dim] // n
+    return t.narrow(dim, index * size, size)
+
+
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    """Merge every dimension but the last: ``[..., c] -> [rows, c]``."""
+    return t.reshape(-1, t.shape[-1])
+
+
+# --------------------------------------------------------------------------------------------
+# XLA:CPU's read ordering, and the eager writes: all the rings do beyond the pages' loops.
+#
+# On XLA every rank traces one program (one compile; none arrives late at a rendezvous), so
+# the rows a ring reads or writes are computed on the device, from this rank's position as
+# device data (`_position`) plus an offset that is the same on every rank. XLA:CPU drops
+# optimisation barriers before it schedules, and schedules every slice of a parameter at its
+# start: x cut into its N blocks would have all N copied before the first matmul (1.74x the
+# baseline's memory at N=4, tutorial 06). So a read of x (`_Reads`) adds to its index a zero
+# computed from the data it must wait for, a dependency XLA keeps; and matmul-reduce-scatter
+# reads a block in row slices at most half the partial sum they add to (`_Shares`).
+# All-gather-matmul writes each product into its rows of the output (`_write`): on XLA an
+# index_copy (a slice_scatter chain or one concatenate would be fused into one op at the end,
+# keeping all N products alive); eagerly (c10d, no traced program) in place.
+# --------------------------------------------------------------------------------------------
+
+
+def _position(ring: Ring, t: torch.Tensor) -> int | torch.Tensor:
+    """This rank's position: device data on an XLA device (one program for every rank)."""
+    if t.device.type != "xla":
+        return ring.position
+    return torch.tensor(ring.position, dtype=torch.int64).to(t.device)
+
+
+def _zero_after(t: torch.Tensor) -> torch.Tensor:
+    """An int64 zero computed from ``t``'s last element (finite or not): added to an index,
+    it makes a read wait for ``t``. XLA folds no float ``* 0``; the last element depends on
+    the last part written (a concatenate's last chunk, a sum's newest term)."""
+    zero = t.reshape(-1)[-1] * 0  # +-0, or NaN where the element is not finite
+    return torch.where(zero == 0, zero, torch.zeros_like(zero)).to(torch.int64)
+
+
+class _Reads:
+    """Reads of x's pieces, each waiting (on XLA) for what :meth:`after` last recorded under
+    its ``key`` (a direction of the ring, say); eagerly a read is one ``narrow``."""
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.xla, self.last = t.device.type == "xla", {}  # key -> tensor to wait for
+
+    def after(self, key: object, t: torch.Tensor) -> None:
+        if self.xla:
+            self.last[key] = t
+
+    def read(
+        self, t: torch.Tensor, dim: int, count: int, index: int | torch.Tensor, key: object
+    ) -> torch.Tensor:
+        """Piece ``index`` (an int, or an int64 0-dim tensor on ``t``'s device) of ``count``
+        equal pieces of ``t`` along ``dim``."""
+        size, after = t.shape[dim] // count, self.last.get(key)
+        if isinstance(index, int) and after is None:
+            return t.narrow(dim, index * size, size)
+        if isinstance(index, int):
+            index = torch.tensor(index).to(t.device)
+        if after is not None:
+            index = index + _zero_after(after)
+        return t.unflatten(dim, (count, size)).index_select(dim, index.reshape(1)).squeeze(dim)
+
+
+def _row_slices(
+    x: torch.Tensor, ws: Sequence[torch.Tensor], dim: int, n: int, acc: torch.dtype
+) -> int:
+    """How many row slices matmul-reduce-scatter reads each x block in: the fewest (a
+    divisor of the block's rows) whose slice of x is at most half the partial sum it adds to
+    (the bidirectional ring reads two at once). 1 whenever ``sum F >= 2 K`` in equal dtypes;
+    one row per slice when no divisor is fine enough.
+
+    >>> _row_slices(torch.zeros(4 * 1024, 4096), [torch.zeros(4096, 256)], 0, 4, torch.float32)
+    32
+    """
+    m = x.shape[dim] // n
+    piece = x.shape[-1] * x.element_size()  # bytes of x per row
+    summed = sum(w.shape[1] for w in ws) * acc.itemsize  # bytes of the partial sum per row
+    fits = (c for c in range(1, m + 1) if m % c == 0 and 2 * piece <= summed * c)
+    return next(fits, max(m, 1))  # none fits (K much larger than F): one row at a time
+
+
+class _Shares(_Reads):
+    """``share(block, direction)``: this rank's share of an output block, ``sum_i x_i's
+    block @ ws[i]`` in ``acc``, read in :func:`_row_slices` slices, each read waiting (XLA)
+    for the product before it, and a block's first read for what :meth:`after` recorded in
+    its direction (the sum of the step before): x is never copied whole, and the matmuls of
+    step t wait for no permute issued after step t-2."""
+
+    def __init__(
+        self,
+        xs: list[torch.Tensor],
+        ws: Sequence[torch.Tensor],
+        dim: int,
+        ring: Ring,
+        acc: torch.dtype,
+    ) -> None:
+        super().__init__(xs[0])
+        self.xs, self.dim, self.ring, self.acc = xs, dim, ring, acc
+        self.slices = _row_slices(xs[0], ws, dim, ring.size, acc)
+        self.position = _position(ring, xs[0])
+        self.ws = [w.to(acc) for w in ws]
+
+    def __call__(self, block: int, direction: int) -> torch.Tensor:
+        n, slices = self.ring.size, self.slices
+        index = (self.position + (block - self.ring.position) % n) % n * slices  # rank-independent
+        parts = []
+        for _ in range(slices):
+            share = None
+            for xi, w in zip(self.xs, self.ws, strict=True):
+                term = self.read(xi, self.dim, n * slices, index, direction).to(self.acc) @ w
+                self.after(direction, term)
+                share = term if share is None else share + term
+            parts.append(share)
+            index = index + 1  # no new constant per slice
+        return parts[0] if slices == 1 else torch.cat(parts, self.dim)
+
+
+def _write(
+    out: torch.Tensor, dim: int, start: int | torch.Tensor, product: torch.Tensor
+) -> torch.Tensor:
+    """``out`` with ``product`` in its rows ``start, start + 1, ...`` along ``dim``."""
+    if isinstance(start, int):  # eager: in place
+        out.narrow(dim, start, product.shape[dim]).copy_(product)
+        return out
+    rows = torch.arange(product.shape[dim], device=out.device) + start
+    return out.index_copy(dim, rows, product)

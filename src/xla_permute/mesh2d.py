@@ -29,6 +29,7 @@ from collections.abc import Sequence
 
 import torch
 
+from xla_permute.backends.select import get_backend
 from xla_permute.pairs import check_dim, check_int
 from xla_permute.sequence import check_layout, shard_sequence, unshard_sequence
 
@@ -70,8 +71,6 @@ class Mesh2D:
         """``(tp_index, cp_index)`` of ``rank``; None: this rank, asked from the running mesh
         (torch_xla, or torch.distributed's process group), whose size must be ``size``."""
         if rank is None:
-            from xla_permute.backends.select import get_backend
-
             comm = get_backend()
             world = comm.world_size()
             if world != self.size:

@@ -119,17 +119,12 @@ class Decomposition(NamedTuple):
 
 
 def _as_rank(value: object, where: str) -> int:
-    if isinstance(value, bool):  # operator.index(True) == 1: a flag is not a rank id
-        raise TypeError(f"{where} must be an integer rank id, got {value!r} (bool)")
-    if not isinstance(value, int):
-        try:
-            as_int = operator.index(value)  # accepts numpy / torch integer scalars
-        except TypeError:
-            raise TypeError(
-                f"{where} must be an integer rank id, got {value!r} ({type(value).__name__})"
-            ) from None
-        value = as_int
-    return int(value)
+    """``value`` as an int rank id (a numpy or torch integer scalar too; a bool is no rank)."""
+    try:
+        return check_int(value, where)
+    except TypeError:
+        kind = type(value).__name__
+        raise TypeError(f"{where} must be an integer rank id, got {value!r} ({kind})") from None
 
 
 def _as_lists(value: object, name: str, columns: int | None) -> object:

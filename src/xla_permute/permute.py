@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from xla_permute import debug
 from xla_permute.backends.base import CommBackend, Handle
 from xla_permute.backends.select import BackendName, check_tensor
 from xla_permute.pairs import Pairs, PairsLike, check_groups, global_pairs, inverse_pairs
@@ -134,8 +135,6 @@ def collective_permute(
     world = chosen.world_size()
     checked = global_pairs(pairs, groups, world)
     chosen.check_pairs(checked, x.dtype)  # native: the hardware's rules; others run anything
-    from xla_permute import debug
-
     options = {"pairs": checked, "groups": check_groups(groups, world), "backend": chosen.name}
     debug.agree("collective_permute", {"x": x}, options, backend=chosen)
     work = permute_checked(x, checked, chosen)

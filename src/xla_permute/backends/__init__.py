@@ -19,7 +19,6 @@ from xla_permute.backends.select import (
     check_tensor,
     distributed_ready,
     get_backend,
-    ring,
 )
 
 __all__ = [
@@ -32,5 +31,4 @@ __all__ = [
     "check_tensor",
     "distributed_ready",
     "get_backend",
-    "ring",
 ]

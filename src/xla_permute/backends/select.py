@@ -19,38 +19,28 @@ name           what it issues                            where
 ``backend="auto"`` picks ``c10d`` when ``torch.distributed`` is initialized and the tensor is
 not an XLA tensor; otherwise ``emulated`` on the XLA CPU backend and ``native`` elsewhere
 (:func:`get_backend`). The XLA implementations live in :mod:`xla_permute.backends.xla` (the
-one home of the torch_xla glue), the torch.distributed one in :mod:`xla_permute.backends.c10d`; this
-module imports neither torch_xla nor a process group. The interface itself is in
-:mod:`xla_permute.backends.base` (re-exported here).
-
-The interface, per rank (``pairs`` are global, checked ``(source, target)`` rank pairs):
-
-* ``send(x, pairs) -> Handle``: start the permute; ``handle.wait()`` gives this rank's
-  received tensor (zeros when it is no pair's target). On c10d the transfer runs while the
-  caller computes; on XLA the handle holds the lazy result (the compiler schedules it).
-* ``all_gather(x, dim, groups)`` / ``reduce_scatter(x, dim, groups)`` (sum), groups in their
-  listed order;
-* ``position(groups) -> (size, position, checked groups)``: this rank's place;
-* ``gather_rows(row)``: the debug mode's agreement all-gather of one int row per rank.
-
-These are raw (no autograd, no checks). The ops check their arguments once at their boundary
-and then drive a :class:`Ring` (this rank's place, its neighbours' pairs precomputed, a send
-that is not re-checked per hop); the autograd of each op is its own (the permute's backward
-is the inverse permute, on every backend).
+one home of the torch_xla glue, which imports torch_xla only when called), the
+torch.distributed one in :mod:`xla_permute.backends.c10d`; the interface itself (``send``
+giving a :class:`Handle`, ``all_gather``, ``reduce_scatter``, ``position``, ``gather_rows``)
+is in :mod:`xla_permute.backends.base`. Its methods are raw (no autograd, no checks): the ops
+check their arguments once at their boundary and then drive a :class:`Ring` (this rank's
+place, its neighbours' pairs precomputed, a send that is not re-checked per hop); the autograd
+of each op is its own (the permute's backward is the inverse permute, on every backend).
 """
 
 from __future__ import annotations
 
 import sys
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
 
 from xla_permute.backends.base import CommBackend, Handle, Ready
+from xla_permute.backends.c10d import c10d_backend
 from xla_permute.backends.compiled import check_not_compiling
-from xla_permute.pairs import Groups, Pairs, global_pairs, ring_pairs
+from xla_permute.backends.xla import check_xla_tensor, xla_backend
+from xla_permute.pairs import Groups, GroupsLike, Pairs, global_pairs, ring_pairs
 
 __all__ = [
     "BACKENDS",
@@ -62,7 +52,6 @@ __all__ = [
     "check_tensor",
     "distributed_ready",
     "get_backend",
-    "ring",
 ]
 
 BackendName = Literal["auto", "native", "emulated", "c10d"]
@@ -90,11 +79,7 @@ def get_backend(name: str = "auto", x: torch.Tensor | None = None) -> CommBacken
         is_xla = isinstance(x, torch.Tensor) and x.device.type == "xla"
         name = "c10d" if not is_xla and distributed_ready() else "xla-auto"
     if name == "c10d":
-        from xla_permute.backends.c10d import c10d_backend
-
         return c10d_backend()
-    from xla_permute.backends.xla import xla_backend
-
     return xla_backend(None if name == "xla-auto" else name)
 
 
@@ -120,8 +105,6 @@ def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBacke
         )
     xla = backend in ("native", "emulated") or (backend == "auto" and not ready)
     if xla:  # before get_backend, which starts the XLA runtime
-        from xla_permute.backends.xla import check_xla_tensor
-
         check_xla_tensor(x, name)
     chosen = get_backend(backend, x)
     if not xla:
@@ -131,7 +114,8 @@ def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBacke
 
 @dataclass(frozen=True)
 class Ring:
-    """This rank's ring, built once at an op's boundary: the hops send without re-checking.
+    """This rank's ring, built once at an op's boundary (:meth:`build`): the hops send
+    without re-checking.
 
     ``size`` ranks, this rank at ``position``, ``groups`` checked (None: all ranks).
     ``send(t, direction)`` passes every rank's ``t`` to the rank ``direction`` (+1 or -1)
@@ -146,6 +130,23 @@ class Ring:
     bidirectional: bool = False
     _pairs: dict[int, Pairs] = field(default_factory=dict, compare=False, repr=False)
 
+    @classmethod
+    def build(
+        cls,
+        groups: GroupsLike = None,
+        *,
+        backend: CommBackend | str = "auto",
+        bidirectional: bool = False,
+    ) -> Ring:
+        """This rank's ring over ``groups`` (None: all ranks) on ``backend``.
+
+        Call it once at an op's boundary, after the op's own checks; then :meth:`check` with
+        the dtype that travels, before the first hop.
+        """
+        chosen = get_backend(backend) if isinstance(backend, str) else backend
+        size, position, checked = chosen.position(groups)
+        return cls(chosen, size, position, checked, bool(bidirectional))
+
     def pairs(self, direction: int = 1) -> Pairs:
         """The global pairs of one hop ``direction`` ranks ahead (computed once)."""
         if direction not in self._pairs:
@@ -159,10 +160,6 @@ class Ring:
         """Start one hop of every rank's ``t``, ``direction`` ranks ahead (no checks)."""
         return self.backend.send(t.contiguous(), self.pairs(direction), tag=direction % 8)
 
-    def source(self, direction: int = 1) -> int:
-        """The position this rank receives from in a hop ``direction`` ranks ahead."""
-        return (self.position - direction) % self.size
-
     def check(self, dtype: torch.dtype) -> None:
         """Apply the backend's rules to the ring's pairs once (native: the hardware's rules,
         and a refusal to run on the CPU mesh outside tracing); before the first hop."""
@@ -170,21 +167,6 @@ class Ring:
             self.backend.check_pairs(self.pairs(1), dtype)
 
     def keep(self, tensors: list[torch.Tensor]) -> None:
+        """Keep ``tensors`` in this rank's program (:meth:`CommBackend.keep`)."""
         if self.size > 1:
             self.backend.keep(tensors)
-
-
-def ring(
-    groups: Sequence[Sequence[int]] | None = None,
-    *,
-    backend: CommBackend | str = "auto",
-    bidirectional: bool = False,
-) -> Ring:
-    """This rank's :class:`Ring` over ``groups`` (None: all ranks) on ``backend``.
-
-    Call it once at an op's boundary, after the op's own checks; then :meth:`Ring.check`
-    with the dtype that travels, before the first hop.
-    """
-    chosen = get_backend(backend) if isinstance(backend, str) else backend
-    size, position, checked = chosen.position(groups)
-    return Ring(chosen, size, position, checked, bool(bidirectional))

@@ -26,6 +26,8 @@ from collections.abc import Sequence
 import torch
 
 from xla_permute.backends.base import CommBackend, Handle, Ready
+from xla_permute.backends.channels import AGREEMENT_CHANNEL, next_channel_id
+from xla_permute.backends.tracing import is_tracing
 from xla_permute.hardware import check_device_pairs, check_not_spmd
 from xla_permute.pairs import Groups, Pairs, source_of
 
@@ -80,8 +82,6 @@ def check_native_runs_here(device_type: str) -> None:
     """
     if device_type != "CPU":
         return
-    from xla_permute.backends.tracing import is_tracing
-
     if not is_tracing():
         raise ValueError(
             "backend='native' (xm.collective_permute) cannot run on the CPU mesh: it carries "
@@ -125,8 +125,6 @@ class _Xla(CommBackend):
     def all_gather(self, x: torch.Tensor, dim: int, groups: Groups) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
 
-        from xla_permute.backends.channels import next_channel_id
-
         return xm.all_gather(
             x,
             dim=dim,
@@ -138,8 +136,6 @@ class _Xla(CommBackend):
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, groups: Groups) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
-
-        from xla_permute.backends.channels import next_channel_id
 
         return xm.reduce_scatter(
             xm.REDUCE_SUM,
@@ -159,8 +155,6 @@ class _Xla(CommBackend):
         nor is joined by them. Executed at once (``.cpu()``)."""
         import torch_xla
         import torch_xla.core.xla_model as xm
-
-        from xla_permute.backends.channels import AGREEMENT_CHANNEL
 
         context = xm._get_device_context().device
         token = torch_xla._XLAC._get_all_reduce_token(context)

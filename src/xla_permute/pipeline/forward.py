@@ -34,10 +34,12 @@ from collections.abc import Callable
 
 import torch
 
-from xla_permute.backends.select import BackendName
+from xla_permute import debug
+from xla_permute.backends.select import BackendName, check_tensor
+from xla_permute.permute import permute_checked
 from xla_permute.pipeline.orders import make_schedule
 from xla_permute.pipeline.schedule import check_count
-from xla_permute.pipeline.shift import resolve_wrap, stage_shift
+from xla_permute.pipeline.shift import checked_shifts, resolve_wrap
 
 __all__ = ["pipeline_forward", "pipeline_groups"]
 
@@ -114,28 +116,25 @@ def pipeline_forward(
     """
     if not callable(stage):
         raise TypeError(f"stage must be a callable x -> y, got {type(stage).__name__}")
-    from xla_permute.backends.select import check_tensor
-
     comm = check_tensor(inputs, "inputs", backend)  # XLA, or c10d in a process group
     if inputs.dim() < 1:
         raise ValueError(
             f"inputs has shape {tuple(inputs.shape)}: its leading axis counts the "
             f"micro-batches; stack them as (M, *activation_shape)"
         )
-    chosen = comm.name
-    ring = resolve_wrap(wrap, comm.device_type)
+    wrap = resolve_wrap(wrap, comm.device_type)
     groups = pipeline_groups(comm.world_size(), stages)
     n_stages = len(groups[0])
-    from xla_permute import debug
-
-    options = {"stages": n_stages, "wrap": ring, "backend": chosen}
+    options = {"stages": n_stages, "wrap": wrap, "backend": comm.name}
     debug.agree("pipeline_forward", {"inputs": inputs}, options, backend=comm)
     if inputs.shape[0] == 0:  # no micro-batch: nothing flows, no collective (ranks agree)
         return inputs * 0
     m = inputs.shape[0]
     schedule = make_schedule("gpipe", n_stages, m)
     position = comm.rank() % n_stages
-    shift_groups = None if len(groups) == 1 else groups
+    forward_ticks = m + n_stages - 1  # GPipe's first ticks: every forward, no backward
+    offsets = {o for t in range(forward_ticks) for o in schedule.shifts(t)}  # {1}, or none
+    shifts = checked_shifts(comm, offsets, wrap=wrap, groups=groups, dtype=inputs.dtype)
 
     # Device data, not traced constants: every rank traces the same program.
     is_first = torch.tensor(position == 0).to(inputs.device)
@@ -143,7 +142,6 @@ def pipeline_forward(
     zeros = torch.zeros_like(inputs[0])
     received = zeros
     outputs: list[torch.Tensor | None] = [None] * m
-    forward_ticks = m + n_stages - 1  # GPipe's first ticks: every forward, no backward
     for t, tick in enumerate(schedule.work[:forward_ticks]):
         first, last = tick[0], tick[-1]
         fresh = inputs[first.micro_batch] if first is not None else zeros
@@ -159,5 +157,5 @@ def pipeline_forward(
         if last is not None:  # the last stage finishes micro-batch last.micro_batch
             outputs[last.micro_batch] = torch.where(is_last, y, zeros)
         if schedule.shifts(t):
-            received = stage_shift(y, offset=1, wrap=ring, groups=shift_groups, backend=chosen)
+            received = permute_checked(y, shifts[1], comm).wait()  # backward: the opposite shift
     return torch.stack(outputs)  # type: ignore[arg-type]

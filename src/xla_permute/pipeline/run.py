@@ -14,11 +14,13 @@ from dataclasses import dataclass
 
 import torch
 
-from xla_permute.backends.select import BackendName
+from xla_permute import debug
+from xla_permute.backends.select import BackendName, check_tensor
+from xla_permute.permute import permute_checked
 from xla_permute.pipeline.forward import pipeline_groups
 from xla_permute.pipeline.orders import SCHEDULES, make_schedule
 from xla_permute.pipeline.schedule import Cell, PipelineSchedule, units
-from xla_permute.pipeline.shift import resolve_wrap, stage_shift
+from xla_permute.pipeline.shift import checked_shifts, resolve_wrap
 
 __all__ = ["PipelineStep", "pipeline_step"]
 
@@ -39,11 +41,6 @@ class PipelineStep:
     executed: tuple[Cell, ...]
     live: tuple[int, ...]
     shifts: tuple[tuple[int, ...], ...]
-
-    @property
-    def peak_live(self) -> int:
-        """The most stage activations this rank held at once."""
-        return max(self.live, default=0)
 
     @property
     def idle_ticks(self) -> int:
@@ -68,28 +65,28 @@ _MAX_DIMS = 8
 
 
 def _infer(
-    plan, modules, inputs, position, group, comm, ok: bool
+    schedule, modules, inputs, position, group, comm, ok: bool
 ) -> tuple[tuple[int, ...], torch.dtype]:
     """The activation stage 0 hands on, from the first micro-batch: the rank that holds stage
     0 runs it (no gradient) and every rank of the pipeline reads its shape and dtype from one
     all-gather of a small int row (the debug mode's, :meth:`gather_rows`), so all agree."""
     row = [0] * (_MAX_DIMS + 2)  # ndim (-1: stage 0 failed), dims..., dtype
-    if 0 in plan.stages_of(position) and not ok:
+    if 0 in schedule.stages_of(position) and not ok:
         row[0] = -1
-    elif 0 in plan.stages_of(position):
+    elif 0 in schedule.stages_of(position):
         try:
             with torch.no_grad():
-                y = modules[plan.stages_of(position).index(0)](inputs[0])
+                y = modules[schedule.stages_of(position).index(0)](inputs[0])
             shape = tuple(y.shape)
             if y.dtype not in _DTYPES or len(shape) > _MAX_DIMS:
                 raise ValueError(f"an activation of shape {shape} and dtype {y.dtype}")
             row = [len(shape), *shape, *[0] * (_MAX_DIMS - len(shape)), _DTYPES.index(y.dtype)]
         except (RuntimeError, TypeError, ValueError, IndexError):
             row[0] = -1
-    first = comm.gather_rows(row)[group[plan.rank_of(0)]]
+    first = comm.gather_rows(row)[group[schedule.rank_of(0)]]
     if first[0] < 0:
         raise ValueError(
-            f"activation='infer': stage 0 (on rank {group[plan.rank_of(0)]}) could not run on "
+            f"activation='infer': stage 0 (on rank {group[schedule.rank_of(0)]}) could not run on "
             f"the first micro-batch or returned no floating tensor of at most {_MAX_DIMS} dims; "
             f"declare activation=(shape, dtype), or see that rank's error"
         )
@@ -114,7 +111,7 @@ def _activation(activation: object, inputs: torch.Tensor) -> tuple[tuple[int, ..
     )
 
 
-def _probe(plan, modules, loss_fn, inputs, targets, position, activation) -> None:
+def _probe(schedule, modules, loss_fn, inputs, targets, position, activation) -> None:
     """Run this rank's stages and the loss once without gradients, to check the shapes before
     any collective (traced and dropped on XLA; one extra forward per stage when eager): stage
     0 takes a micro-batch, every other stage the declared activation; every stage but the last
@@ -122,10 +119,10 @@ def _probe(plan, modules, loss_fn, inputs, targets, position, activation) -> Non
     shape, dtype = activation
     between = torch.zeros(shape, dtype=dtype, device=inputs.device)
     with torch.no_grad():
-        for c, (k, module) in enumerate(zip(plan.stages_of(position), modules, strict=True)):
+        for c, (k, module) in enumerate(zip(schedule.stages_of(position), modules, strict=True)):
             x = inputs[0] if k == 0 else between
             y = module(x)
-            if k == plan.stages - 1:
+            if k == schedule.stages - 1:
                 try:
                     loss = loss_fn(y, targets[0])
                 except (RuntimeError, TypeError, ValueError, IndexError) as e:
@@ -233,10 +230,8 @@ def pipeline_step(
     stage_fns = _check_modules(modules)
     if not callable(loss_fn):
         raise TypeError(f"loss_fn must be a callable (output, target) -> loss, got {loss_fn!r}")
-    from xla_permute.backends.select import check_tensor
-
     comm = check_tensor(inputs, "inputs", backend)  # XLA, or c10d in a process group
-    world, rank, device_type, chosen = comm.world_size(), comm.rank(), comm.device_type, comm.name
+    world, rank = comm.world_size(), comm.rank()
     if inputs.dim() < 1:
         raise ValueError(
             f"inputs has shape {tuple(inputs.shape)}: its leading axis counts the "
@@ -252,7 +247,7 @@ def pipeline_step(
     groups = pipeline_groups(world, ranks)
     p, v, m = len(groups[0]), len(stage_fns), inputs.shape[0]
     position = rank % p
-    plan = None
+    name = schedule.name if isinstance(schedule, PipelineSchedule) else str(schedule)
     if isinstance(schedule, PipelineSchedule):
         if (schedule.ranks, schedule.micro_batches, schedule.stages_per_rank) != (p, m, v):
             raise ValueError(
@@ -260,46 +255,47 @@ def pipeline_step(
                 f"micro-batches and {schedule.stages_per_rank} stages per rank, the step has "
                 f"{p}, {m} and {v}; build it with make_schedule(name, {p}, {m}, {v})"
             )
-        plan = schedule
     elif m > 0:
-        plan = make_schedule(schedule, p, m, v)
-    elif schedule not in SCHEDULES:
-        make_schedule(schedule, p, 1, v)  # raises the same error
-    needs_ring = plan.needs_ring if plan is not None else False
+        schedule = make_schedule(schedule, p, m, v)
+    else:  # no micro-batch: nothing to run, but a bad name raises the same error
+        if schedule not in SCHEDULES:
+            make_schedule(schedule, p, 1, v)
+        schedule = None
+    needs_ring = schedule is not None and schedule.needs_ring
     if needs_ring and wrap is False:
         raise ValueError(
-            f"wrap=False asks for open-chain shifts, but the {plan.name} schedule hands "
+            f"wrap=False asks for open-chain shifts, but the {name} schedule hands "
             f"activations from the last rank to the first (stage c * ranks + ranks - 1 to "
             f"stage (c + 1) * ranks); pass wrap=None or wrap=True"
         )
-    ring = True if needs_ring and wrap is None else resolve_wrap(wrap, device_type)
+    wrap = True if needs_ring and wrap is None else resolve_wrap(wrap, comm.device_type)
     infer = isinstance(activation, str) and activation == "infer"
     between = _activation(None if infer else activation, inputs)
     error = comm.device_error(inputs, "inputs")
-    if infer and plan is not None:  # one gather, on every rank alike (also one that failed)
+    if infer and schedule is not None:  # one gather, on every rank alike (also one that failed)
         group = groups[rank // p]
-        between = _infer(plan, stage_fns, inputs, position, group, comm, error is None)
-    if plan is not None and error is None:
+        between = _infer(schedule, stage_fns, inputs, position, group, comm, error is None)
+    if schedule is not None and error is None:
         try:  # this rank's own stages: an error here joins the ranks' agreement below
-            _probe(plan, stage_fns, loss_fn, inputs, targets, position, between)
+            _probe(schedule, stage_fns, loss_fn, inputs, targets, position, between)
         except ValueError as e:
             error = e
-    from xla_permute import debug
-
     options = {
         "activation": (between[0], str(between[1])),
         "ranks": p,
         "stages_per_rank": v,
-        "schedule": plan.name if plan else str(schedule),
-        "wrap": ring,
-        "backend": chosen,
+        "schedule": name,
+        "wrap": wrap,
+        "backend": comm.name,
     }
     tensors = {"inputs": inputs, "targets": targets}
     debug.agree("pipeline_step", tensors, options, backend=comm, error=error)
-    if plan is None:  # no micro-batch: nothing flows, no collective (ranks agree)
+    if schedule is None:  # no micro-batch: nothing flows, no collective (ranks agree)
         return PipelineStep(inputs.new_zeros(()), None, (), (), ())
     zeros = torch.zeros(between[0], dtype=between[1], device=inputs.device)
-    return _run(plan, stage_fns, inputs, targets, loss_fn, position, groups, ring, comm, zeros)
+    offsets = {o for t in range(schedule.ticks) for o in schedule.shifts(t)}
+    shifts = checked_shifts(comm, offsets, wrap=wrap, groups=groups, dtype=between[1])
+    return _run(schedule, stage_fns, inputs, targets, loss_fn, position, shifts, comm, zeros)
 
 
 def _leaves(y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
@@ -319,85 +315,79 @@ def _leaves(y: torch.Tensor, x: torch.Tensor) -> list[torch.Tensor]:
 
 
 def _run(
-    plan, modules, inputs, targets, loss_fn, position, groups, ring, comm, zeros
+    schedule, modules, inputs, targets, loss_fn, position, shifts, comm, zeros
 ) -> PipelineStep:
-    """The tick loop of :func:`pipeline_step`, after every check; ``zeros``: an activation of
-    zeros, what a rank sends when it has nothing to send."""
-    from xla_permute.debug import debug_mode
-
-    shift_groups = None if len(groups) == 1 else groups
-    last = plan.stages - 1
-    local = {k: i for i, k in enumerate(plan.stages_of(position))}
+    """The tick loop of :func:`pipeline_step`, after every check; ``shifts``: the checked
+    global pairs of each shift by offset; ``zeros``: an activation of zeros, what a rank sends
+    when it has nothing to send."""
+    last = schedule.stages - 1
+    local = {k: i for i, k in enumerate(schedule.stages_of(position))}
     saved: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
     grads_out: dict[tuple[int, int], torch.Tensor | None] = {}  # dy kept from I for W
     arrived: dict[tuple[str, int, int], torch.Tensor] = {}
     unused: list[torch.Tensor] = []
     losses: list[torch.Tensor] = []
     executed, live, issued = [], [], []
-    # The arguments were checked and agreed on once, above; the shifts need not repeat it.
-    with debug_mode(False):
-        for t, tick in enumerate(plan.work):
-            cell = tick[position]
-            outgoing: dict[int, list[torch.Tensor]] = {+1: [], -1: [], 0: []}
-            for w in units(cell):
-                key = (w.micro_batch, w.stage)
-                payload = None
-                if w.kind == "F":
-                    if w.stage == 0:
-                        x = inputs[w.micro_batch]
-                    else:
-                        x = arrived.pop(("F", *key)).detach().requires_grad_()
-                    y = modules[local[w.stage]](x)
-                    if w.stage == last:
-                        y = loss_fn(y, targets[w.micro_batch]).reshape(())
-                        losses.append(y.detach())
-                    else:
-                        payload = y.detach()
-                    saved[key] = (x, y)
-                elif w.kind == "W":
-                    x, y = saved.pop(key)
-                    params, dy = _leaves(y, x), grads_out.pop(key)
-                    if params:
-                        torch.autograd.backward(y, dy, inputs=params)
+    for t, tick in enumerate(schedule.work):
+        cell = tick[position]
+        outgoing: dict[int, list[torch.Tensor]] = {+1: [], -1: [], 0: []}
+        for w in units(cell):
+            key = (w.micro_batch, w.stage)
+            payload = None
+            if w.kind == "F":
+                if w.stage == 0:
+                    x = inputs[w.micro_batch]
                 else:
-                    x, y = saved[key] if w.kind == "I" else saved.pop(key)
-                    dy = None if w.stage == last else arrived.pop(("B", *key))
-                    if w.kind == "B":
-                        y.backward(dy)
-                        if w.stage > 0:
-                            payload = x.grad
-                    else:
-                        grads_out[key] = dy
-                        if w.stage > 0:
-                            (payload,) = torch.autograd.grad(y, x, dy, retain_graph=True)
-                send = plan.send_of(position, w)
-                if send is not None:
-                    if payload is None:  # x.grad is None: the stage did not use its input
-                        payload = zeros
-                    if send.offset == 0:  # the V's turn: stays on this rank
-                        arrived[(send.kind, send.micro_batch, send.stage)] = payload
-                    else:
-                        outgoing[send.offset].append(payload)
-            executed.append(cell)
-            live.append(len(saved))
-            shifts = plan.shifts(t)
-            issued.append(shifts)
-            received = plan.receives(t, position)
-            for offset in shifts:
-                slots = plan.slots(t, offset)
-                sent = outgoing[offset] + [zeros] * (slots - len(outgoing[offset]))
-                packed = sent[0] if slots == 1 else torch.stack(sent)
-                got = stage_shift(
-                    packed, offset=offset, wrap=ring, groups=shift_groups, backend=comm.name
-                )
-                mine = received.get(offset, ())
-                for i, s in enumerate(mine):
-                    arrived[(s.kind, s.micro_batch, s.stage)] = got if slots == 1 else got[i]
-                if len(mine) < slots:
-                    unused.append(got)
+                    x = arrived.pop(("F", *key)).detach().requires_grad_()
+                y = modules[local[w.stage]](x)
+                if w.stage == last:
+                    y = loss_fn(y, targets[w.micro_batch]).reshape(())
+                    losses.append(y.detach())
+                else:
+                    payload = y.detach()
+                saved[key] = (x, y)
+            elif w.kind == "W":
+                x, y = saved.pop(key)
+                params, dy = _leaves(y, x), grads_out.pop(key)
+                if params:
+                    torch.autograd.backward(y, dy, inputs=params)
+            else:
+                x, y = saved[key] if w.kind == "I" else saved.pop(key)
+                dy = None if w.stage == last else arrived.pop(("B", *key))
+                if w.kind == "B":
+                    y.backward(dy)
+                    if w.stage > 0:
+                        payload = x.grad
+                else:
+                    grads_out[key] = dy
+                    if w.stage > 0:
+                        (payload,) = torch.autograd.grad(y, x, dy, retain_graph=True)
+            send = schedule.send_of(position, w)
+            if send is not None:
+                if payload is None:  # x.grad is None: the stage did not use its input
+                    payload = zeros
+                if send.offset == 0:  # the V's turn: stays on this rank
+                    arrived[(send.kind, send.micro_batch, send.stage)] = payload
+                else:
+                    outgoing[send.offset].append(payload)
+        executed.append(cell)
+        live.append(len(saved))
+        issued.append(schedule.shifts(t))
+        received = schedule.receives(t, position)
+        for offset in schedule.shifts(t):
+            slots = schedule.slots(t, offset)
+            sent = outgoing[offset] + [zeros] * (slots - len(outgoing[offset]))
+            packed = sent[0] if slots == 1 else torch.stack(sent)
+            # Posted on the pairs checked once, before the loop (the arguments were agreed on).
+            got = permute_checked(packed, shifts[offset], comm).wait()
+            mine = received.get(offset, ())
+            for i, s in enumerate(mine):
+                arrived[(s.kind, s.micro_batch, s.stage)] = got if slots == 1 else got[i]
+            if len(mine) < slots:
+                unused.append(got)
     loss = torch.stack(losses).sum() if losses else zeros.new_zeros(())
     if unused:
         # Keep the collectives whose results this rank does not use in its program (a lazy
         # graph drops what nothing depends on, and the other ranks would wait for them).
         comm.keep([loss, *unused])
-    return PipelineStep(loss, plan, tuple(executed), tuple(live), tuple(issued))
+    return PipelineStep(loss, schedule, tuple(executed), tuple(live), tuple(issued))

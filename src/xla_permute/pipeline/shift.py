@@ -37,18 +37,18 @@ True
 
 from __future__ import annotations
 
-import contextlib
-import operator
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
-from xla_permute.backends.select import BackendName, check_tensor
-from xla_permute.pairs import Pairs, check_groups, ring_pairs
+from xla_permute.backends.select import BackendName, CommBackend, check_tensor
+from xla_permute.hardware import requires_complete_rings
+from xla_permute.pairs import Groups, Pairs, check_groups, check_int, global_pairs, ring_pairs
 from xla_permute.permute import collective_permute
 
 __all__ = [
     "check_offset",
+    "checked_shifts",
     "resolve_wrap",
     "shift_pairs",
     "stage_shift",
@@ -68,14 +68,7 @@ def check_offset(offset: object, group_size: int) -> int:
     ...
     ValueError: offset=4 is not smaller than the group of 4 ranks in size: ...
     """
-    if not isinstance(offset, bool) and not isinstance(offset, int):
-        with contextlib.suppress(TypeError):  # numpy / torch integer scalars
-            offset = operator.index(offset)
-    if isinstance(offset, bool) or not isinstance(offset, int):
-        raise TypeError(
-            f"offset must be an int number of ranks (1: to the next stage, -1: to the previous "
-            f"one), got {offset!r} ({type(offset).__name__})"
-        )
+    offset = check_int(offset, "offset", fix="1: to the next stage, -1: to the previous one")
     if offset == 0:
         raise ValueError(
             "offset=0 would send every rank's tensor to itself, which is no shift; use the "
@@ -114,6 +107,20 @@ def _check_wrap(wrap: object) -> None:
         )
 
 
+def checked_shifts(
+    comm: CommBackend, offsets: Iterable[int], *, wrap: bool, groups: Groups, dtype: torch.dtype
+) -> dict[int, Pairs]:
+    """The global pairs of the shift by each of ``offsets`` inside ``groups``, checked once
+    (the hardware's rules for ``dtype`` included): a tick loop posts them with
+    :func:`~xla_permute.permute.permute_checked`, re-checking nothing per tick."""
+    shifts = {}
+    for offset in offsets:
+        local = shift_pairs(len(groups[0]), offset, wrap=wrap)
+        shifts[offset] = global_pairs(local, groups, comm.world_size())
+        comm.check_pairs(shifts[offset], dtype)
+    return shifts
+
+
 def resolve_wrap(wrap: bool | None, device_type: str | None = None) -> bool:
     """Choose the form of a shift: ``True`` for the ring, ``False`` for the open chain.
 
@@ -129,8 +136,6 @@ def resolve_wrap(wrap: bool | None, device_type: str | None = None) -> bool:
         import torch_xla.runtime as xr
 
         device_type = xr.device_type()
-    from xla_permute.hardware.rules import requires_complete_rings
-
     rings_only = requires_complete_rings(device_type)
     if wrap is None:
         return rings_only
@@ -186,7 +191,7 @@ def stage_shift(
     chosen = check_tensor(x, "x", backend)
     _check_wrap(wrap)
     checked_groups = check_groups(groups, chosen.world_size())
-    ring = resolve_wrap(wrap, chosen.device_type)
+    wrap = resolve_wrap(wrap, chosen.device_type)
     offset = check_offset(offset, len(checked_groups[0]))
-    pairs = shift_pairs(len(checked_groups[0]), offset, wrap=ring)
+    pairs = shift_pairs(len(checked_groups[0]), offset, wrap=wrap)
     return collective_permute(x, pairs, groups=checked_groups, backend=chosen.name)
