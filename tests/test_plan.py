@@ -66,32 +66,19 @@ def _collectives(model: nn.Module, tokens: torch.Tensor, strategy: str) -> dict[
 def _unit_modules(n: int) -> dict:
     """The modules of :func:`_units`, built on the host (the rank threads share torch's RNG)."""
     torch.manual_seed(3)
-    qkv, o = nn.Linear(16, 48), nn.Linear(32, 16)
-    q, k, v = (nn.Linear(16, rows) for rows in (32, 8, 8))
-    with torch.no_grad():
-        for lin, rows in ((q, slice(0, 32)), (k, slice(32, 40)), (v, slice(40, 48))):
-            lin.weight.copy_(qkv.weight[rows])
-            lin.bias.copy_(qkv.bias[rows])
     return {
-        "attention": (qkv, q, k, v, o),
         "emb": nn.Embedding(4 * n, 3, padding_idx=1),
     }
 
 
 def _units(dev: torch.device, modules: dict) -> dict:
-    """The pieces on their own, against plain torch on the same rank: a fused qkv projection,
-    the loss with ignored tokens, an embedding's padding row."""
+    """The pieces on their own, against plain torch on the same rank: the loss with ignored
+    tokens, an embedding's padding row."""
     import torch_xla.runtime as xr
 
     n, r = xr.world_size(), xr.global_ordinal()
     g = torch.Generator().manual_seed(5)
     out: dict = {}
-    # Fused [q | k | v] (8 heads, 2 KV heads, head_dim 4) against the same rows as three Linears.
-    qkv, q, k, v, o = modules["attention"]
-    x = torch.randn(2, 8 // n, 16, generator=g).to(dev)
-    fused = xp.ParallelAttention.from_linears(qkv=qkv, o=o, heads=8, kv_heads=2)
-    apart = xp.ParallelAttention.from_linears(q, k, v, o, heads=8, kv_heads=2)
-    out["fused qkv"] = (fused.to(dev)(x) - apart.to(dev)(x)).abs().max().item()
     # The loss of vocabulary shards, tokens ignored, against cross_entropy of the whole.
     logits = torch.randn(2, 6, 8 * n, generator=g)
     target = torch.randint(0, 8 * n, (2, 6), generator=g)
@@ -135,7 +122,9 @@ def mesh4() -> list[dict]:
     problems = {
         name: (*_problem(cfg), plan, options) for name, (cfg, plan, options) in CASES.items()
     }
-    return xp.run_on_mesh(_mesh_cases, problems, _problem({"kv_heads": 2}), _unit_modules(4), n=4)
+    # The heaviest launch of the module: slow, not hung, on a loaded machine.
+    args = (_mesh_cases, problems, _problem({"kv_heads": 2}), _unit_modules(4))
+    return xp.run_on_mesh(*args, n=4, timeout=900)
 
 
 def _check(got: list, model: nn.Module, tokens: torch.Tensor) -> None:
@@ -163,10 +152,9 @@ def test_every_matmul_of_a_block_is_a_ring(mesh4):
         assert baseline == {"all-gather": 2 * layers + 1, "reduce-scatter": 2 * layers + 1}
 
 
-def test_fused_qkv_the_sharded_loss_and_padding_equal_plain_torch(mesh4):
+def test_the_sharded_loss_and_padding_equal_plain_torch(mesh4):
     for rank in mesh4:
         u = rank["units"]
-        assert u["fused qkv"] < 1e-6
         assert u["loss"] < 1e-6 and u["loss grad"] < 1e-6
         assert u["embedding"] == 0 and u["padding grad"] == 0
 

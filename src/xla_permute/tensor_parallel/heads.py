@@ -1,36 +1,27 @@
 """Tensor-parallel attention: the heads split over ranks, grouped-query attention included.
 
-Per rank (N ranks of a group, ``Hq`` query and ``Hkv`` key/value heads of size ``D``, hidden
-``H``, sequence dimension 1), with sequence parallelism (the default):
-``x [B, S/N, H] -> y [B, S/N, H]``:
+Per rank (N ranks, ``Hq`` query and ``Hkv`` key/value heads of size ``D``, hidden ``H``),
+sequence parallel (the default): ``x [B, S/N, H] -> y [B, S/N, H]``:
 
 1. ``q, k, v = AllGather(x) @ [Wq_r, Wk_r, Wv_r].T`` on **one** all-gather-matmul ring (x travels
    once): this rank's ``Hq/N`` query heads and their key/value heads, for the whole sequence;
-2. ``position_fn(q, k, positions)`` (rotary embeddings, or any position-dependent transform) on
-   the gathered sequence, ``positions = 0 ... S-1``: the positions are right only after the
-   gather;
-3. ``softmax(q k^T / sqrt(D) + causal mask) v`` on this rank's heads (``scaled_dot_product
-   _attention``; each query head ``h`` reads key/value head ``h // (Hq/Hkv)``);
-4. ``y = ReduceScatter(o @ Wo_r.T) + b``: :class:`~xla_permute.RowParallelLinear`, one
-   matmul-reduce-scatter ring.
+2. ``position_fn(q, k, positions)`` (rotary embeddings) on the gathered sequence, ``positions
+   = 0 ... S-1``: the positions are right only after the gather;
+3. ``softmax(q k^T / sqrt(D) + causal mask) v`` on this rank's heads (query head ``h`` reads
+   key/value head ``h // (Hq/Hkv)``);
+4. ``y = ReduceScatter(o @ Wo_r.T) + b``: a :class:`~xla_permute.RowParallelLinear` ring.
 
-Without sequence parallelism (``dim=None``) x and y are ``[B, S, H]``, replicated, and the only
-collective is the all-reduce of ``o_proj`` (Megatron's layout).
+With ``dim=None`` x and y are ``[B, S, H]``, whole on every rank, and the only collective is
+``o_proj``'s all-reduce (Megatron's layout). **Context parallelism** (``context_groups``, the
+ranks that split the sequence, :class:`~xla_permute.Mesh2D`'s ``cp_groups``): step 3 is
+:func:`~xla_permute.ring_attention` over the context group and ``positions`` the shard's
+global ones (:func:`~xla_permute.sequence.layout_positions` of ``layout``).
 
-**Context parallelism** (``context_groups``, the groups of ranks that split the sequence, as
-:class:`~xla_permute.Mesh2D`'s ``cp_groups``): the tensor-parallel group holds one context
-shard of ``S/C`` tokens in ``layout``; step 3 is then :func:`~xla_permute.ring_attention` over
-the context group (K/V travel round it, causal blocks skipped) and ``positions`` are the
-shard's global positions (:func:`~xla_permute.sequence.layout_positions`).
-
-**Key/value heads.** ``Hkv % N == 0``: rank r holds KV heads ``r*Hkv/N ...``. ``N % Hkv == 0``
-(fewer KV heads than ranks): KV head ``j`` is held whole by the ``N/Hkv`` consecutive ranks of
-its query heads; each copy's gradient covers its rank's query heads only, so the copies'
+**Key/value heads.** ``Hkv % N == 0``: rank r holds KV heads ``r*Hkv/N ...``. ``N % Hkv == 0``:
+KV head ``j`` is held whole by the ``N/Hkv`` ranks of its query heads, and the copies'
 gradients are summed over those ranks inside the backward
-(:func:`~xla_permute.collectives.sum_gradients`): the copies stay equal after every optimizer
-step with no step of the user's. Any other ``Hkv`` is refused.
-
-Backward: through the collective matmuls' own (:mod:`xla_permute.matmul`) and autograd.
+(:func:`~xla_permute.collectives.sum_gradients`), so the copies stay equal. Any other ``Hkv``
+is refused. Backward: the collective matmuls' own (:mod:`xla_permute.matmul`) and autograd.
 """
 
 from __future__ import annotations
@@ -70,20 +61,13 @@ def kv_head_groups(
     heads = check_int(heads, "heads", 1)
     kv_heads = check_int(kv_heads, "kv_heads", 1)
     if heads % world_size:
-        raise ValueError(
-            f"heads = {heads} is not divisible by the {world_size} ranks; the query heads are "
-            f"split over the ranks: use a group size that divides {heads}"
-        )
+        raise ValueError(f"heads = {heads} is not divisible by the {world_size} ranks")
     if heads % kv_heads:
         raise ValueError(f"heads = {heads} is not a multiple of kv_heads = {kv_heads}")
     if kv_heads % world_size == 0:
         return None
-    if world_size % kv_heads:
-        raise ValueError(
-            f"kv_heads = {kv_heads} neither divides nor is divided by the {world_size} ranks; "
-            f"each rank needs whole key/value heads: use a group size that divides "
-            f"{kv_heads} or a multiple of it"
-        )
+    if world_size % kv_heads:  # each rank needs whole key/value heads
+        raise ValueError(f"kv_heads = {kv_heads} neither divides nor is divided by {world_size}")
     copies = world_size // kv_heads
     tp = [list(range(world_size))] if groups is None else [list(g) for g in groups]
     return [g[i : i + copies] for g in tp for i in range(0, world_size, copies)]
@@ -129,19 +113,18 @@ class ParallelAttention(nn.Module):
     @classmethod
     def from_linears(
         cls,
-        q: nn.Linear | None = None,
-        k: nn.Linear | None = None,
-        v: nn.Linear | None = None,
-        o: nn.Linear | None = None,
+        q: nn.Linear,
+        k: nn.Linear,
+        v: nn.Linear,
+        o: nn.Linear,
         *,
-        qkv: nn.Linear | None = None,
         heads: int,
         kv_heads: int | None = None,
         head_dim: int | None = None,
         **options: Any,
     ) -> ParallelAttention:
-        """This rank's heads of the attention whose projections are ``q, k, v, o`` (or one fused
-        ``qkv`` Linear, its rows ``[q | k | v]``, and ``o``): nn.Linear layouts, ``[out, in]``.
+        """This rank's heads of the attention whose projections are the ``nn.Linear`` layers
+        ``q, k, v, o`` (``kv_heads``: ``heads`` when None; ``head_dim``: ``q``'s rows per head).
 
         ``options``: the attention's own (``position_fn``, ``causal``, ``returns_weights``,
         ``context_groups``, ``layout``, as the class takes them) and the layers' (``strategy``,
@@ -151,20 +134,6 @@ class ParallelAttention(nn.Module):
         own = ("position_fn", "causal", "returns_weights", "context_groups", "layout")
         attention = {a: options.pop(a) for a in own if a in options}
         kv_heads = heads if kv_heads is None else kv_heads
-        if qkv is not None:
-            if q is not None or k is not None or v is not None:
-                raise ValueError("pass either q, k, v or a fused qkv, not both")
-            hd = head_dim or qkv.out_features // (heads + 2 * kv_heads)
-            qr, kr = heads * hd, kv_heads * hd
-            if qkv.out_features != qr + 2 * kr:
-                raise ValueError(
-                    f"qkv.out_features = {qkv.out_features} is not q ({qr}) + 2 x kv ({kr}) "
-                    f"rows; pass heads=, kv_heads= and head_dim= of this attention"
-                )
-            q, k, v = (_rows(qkv, a, b) for a, b in ((0, qr), (qr, kr), (qr + kr, kr)))
-        for name, lin in (("q", q), ("k", k), ("v", v), ("o", o)):
-            if not isinstance(lin, nn.Linear):
-                raise TypeError(f"{name} must be an nn.Linear, got {type(lin).__name__}")
         hd = head_dim or q.out_features // heads
         for name, lin, count in (("q", q, heads), ("k", k, kv_heads), ("v", v, kv_heads)):
             if lin.out_features != count * hd:
@@ -197,10 +166,8 @@ class ParallelAttention(nn.Module):
             t.view(b, s, h, self.head_dim).transpose(1, 2)
             for t, h in zip(qkv, (self.heads, self.kv_heads, self.kv_heads), strict=True)
         )
-        if self.context is None:
-            positions = torch.arange(s)
-        else:
-            positions = layout_positions(*self.context, self.layout, s)
+        cp = self.context
+        positions = torch.arange(s) if cp is None else layout_positions(*cp, self.layout, s)
         if self.position_fn is not None:
             q, k = self.position_fn(q, k, positions.to(x.device))
         if self.context is not None:

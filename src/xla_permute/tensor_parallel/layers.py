@@ -10,28 +10,21 @@ N ranks, sequence dimension ``dim`` (1 of ``[B, S, H]``):
   ``nn.Linear`` weight ``[F, K]``. Backward: ``dx = ReduceScatter(dy @ W_r)``.
 * :class:`RowParallelLinear` ``(K -> F)``: ``x [..., S, K/N] -> y [..., S/N, F]``,
   ``y = ReduceScatter(x @ W_r.T) + b``, ``W_r`` columns ``r*K/N ... (r+1)*K/N``, the bias
-  whole (its gradient summed over ranks: :func:`~xla_permute.collectives.sum_gradients`).
-  Backward: ``dx = AllGather(dy) @ W_r``.
+  whole (its gradient summed over ranks). Backward: ``dx = AllGather(dy) @ W_r``.
 
-``dim=None`` (Megatron's layers without sequence parallelism): the activations around the
-pair are whole on every rank. The column layer is then a local matmul (backward: ``dx``
-summed over ranks, Megatron's ``copy_to_tensor_model_parallel_region``) and the row layer
-ends with a sum, ``y = AllReduce(x @ W_r.T) + b`` (:func:`reduce_replicated`).
-``gather_output=True`` (column): the output's features gathered, ``[..., F]`` on every rank
-(:func:`gather_replicated`).
+``dim=None`` (without sequence parallelism): the activations are whole on every rank; the
+column layer is a local matmul (backward: ``dx`` summed over ranks), the row layer ends with
+``y = AllReduce(x @ W_r.T) + b`` (:func:`reduce_replicated`). ``gather_output=True``
+(column): the output's features gathered, ``[..., F]`` (:func:`gather_replicated`).
 
-``strategy`` is fixed when the layer is built: ``"ring"`` (collective matmul, the default;
-``bidirectional``: both ways round the ring), ``"baseline"`` (the blocking collective, then
-the matmul) or ``"xla"``: the baseline's collectives in the form the TPU compiler's own
-collective matmul rewrites (one all-gather or reduce-scatter beside the matmul, the
-reduce-scatter in the input dtype, as the upstream proof of concept); the rewrite needs the
-TPU recipe's environment before torch_xla's first compile (the workshop's
-``xla_permute_tools.tpu.recipe_problems`` names what is missing). To let the cost model
-choose, ask it (``xla_permute_tools.cost.choose_strategy``) and pass its answer.
-
-The group (``groups``, ``backend``) and this rank's place in it are resolved once, when the
-layer is built: asked from the running mesh or process group, or given (``world_size=``,
-``rank=``) to build a layer outside a rank. Empty inputs give empty outputs, no collective.
+``strategy``, fixed when the layer is built: ``"ring"`` (collective matmul, the default;
+``bidirectional``: both ways round), ``"baseline"`` (the blocking collective, then the matmul)
+or ``"xla"``: the baseline's collectives in the form the TPU compiler rewrites into its own
+collective matmul (the reduce-scatter in the input dtype, as the upstream proof of concept),
+given the TPU recipe's environment (``xla_permute_tools.tpu.recipe_problems`` names what is
+missing). For the cost model's choice, ask ``xla_permute_tools.cost.choose_strategy`` and pass
+its answer. The group and this rank's place in it are resolved once, when the layer is built:
+from the running mesh or process group, or given (``world_size=``, ``rank=``) outside a rank.
 """
 
 from __future__ import annotations
@@ -86,18 +79,16 @@ def _place(
     if not live:
         if world_size is None or rank is None:
             raise RuntimeError(
-                f"{what} built outside a mesh rank needs world_size= and rank= (the group "
-                f"size and this rank's position); asking the XLA runtime would start it here "
-                f"and break a later run_on_mesh. Build it inside the rank function, or pass both"
+                f"{what} built outside a mesh rank needs world_size= and rank= (asking the XLA "
+                f"runtime would start it here); build it inside the rank function, or pass both"
             )
         size, position = world_size, rank
     else:
         size, position, _ = get_backend(backend).position(groups)
         if world_size not in (None, size) or rank not in (None, position):
             raise ValueError(
-                f"{what} was built for rank {rank} of {world_size} but runs on rank "
-                f"{position} of a group of {size}; build it inside the rank function without "
-                f"world_size= and rank= (or pass the right groups=)"
+                f"{what} was built for rank {rank} of {world_size} but runs on rank {position} "
+                f"of a group of {size}; leave world_size= and rank= out inside a rank"
             )
     if not 0 <= position < size:
         raise ValueError(f"rank {position} is outside the world of {size} ranks")

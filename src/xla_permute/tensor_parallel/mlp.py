@@ -4,7 +4,7 @@
 * :class:`GatedMLP`: ``down(activation(gate(x), up(x)))``, gate and up on one all-gather ring
   (x travels once): SwiGLU (:func:`swiglu`) or the PoC's :func:`relu_product`.
 
-The layers, their ``strategy`` and their backward are in :mod:`xla_permute.tensor_parallel.layers`.
+The layers, their ``strategy`` and their backward: :mod:`xla_permute.tensor_parallel.layers`.
 """
 
 from __future__ import annotations
@@ -14,19 +14,20 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn import functional as F
+from typing_extensions import Self
 
-from xla_permute.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    _ParallelLinear,
-)
+from xla_permute.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 
 __all__ = ["GatedMLP", "SequenceParallelMLP", "relu_product", "swiglu"]
+
+Act = Callable[[torch.Tensor], torch.Tensor]
+Gate = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def swiglu(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     """SwiGLU's gate: ``silu(a) * b`` (a from the gate projection, b from the up one)."""
-    return nn.functional.silu(a) * b
+    return F.silu(a) * b
 
 
 def relu_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -34,22 +35,23 @@ def relu_product(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return torch.relu(a * b)
 
 
-def _check_chain(
-    block: str, first_name: str, first: _ParallelLinear, second_name: str, second: _ParallelLinear
-) -> None:
-    """A column-parallel layer feeding a row-parallel one: the same ranks, the same sharded
-    dimension, and the first's outputs are the second's inputs (checked once, when built)."""
-    same = ("dim", "groups", "world_size", "rank")
-    differ = [a for a in same if getattr(first, a) != getattr(second, a)]
+def _check_chain(block: str, names: str, first: nn.Module, second: nn.Module) -> None:
+    """A column-parallel layer feeding a row-parallel one: the same ranks and sharded
+    dimension, the first's outputs the second's inputs (checked once, when built)."""
+    a, b = names.split()
+    differ = [
+        k
+        for k in ("dim", "groups", "world_size", "rank")
+        if getattr(first, k) != getattr(second, k)
+    ]
     if first.out_features != second.in_features:
         differ.append(
-            f"{first_name}.out_features = {first.out_features} vs {second_name}."
-            f"in_features = {second.in_features}"
+            f"{a}.out_features = {first.out_features} vs {b}.in_features = {second.in_features}"
         )
     if differ:
         raise ValueError(
-            f"{block}: {first_name} feeds {second_name}, so they must agree on {differ}; "
-            f"build both with the same world_size=, rank=, groups= and dim="
+            f"{block}: {a} feeds {b}, so they must agree on {differ}; build both with the "
+            f"same world_size=, rank=, groups= and dim="
         )
 
 
@@ -60,30 +62,16 @@ class SequenceParallelMLP(nn.Module):
     rank's ``ffn/N`` columns, one matmul-reduce-scatter.
     """
 
-    def __init__(
-        self,
-        fc1: ColumnParallelLinear,
-        fc2: RowParallelLinear,
-        activation: Callable[[torch.Tensor], torch.Tensor] = nn.functional.gelu,
-    ) -> None:
+    def __init__(self, fc1: ColumnParallelLinear, fc2: RowParallelLinear, activation: Act = F.gelu):
         super().__init__()
-        _check_chain("SequenceParallelMLP", "fc1", fc1, "fc2", fc2)
+        _check_chain("SequenceParallelMLP", "fc1 fc2", fc1, fc2)
         self.fc1, self.fc2, self.activation = fc1, fc2, activation
 
     @classmethod
-    def from_mlp(
-        cls,
-        fc1: nn.Linear,
-        fc2: nn.Linear,
-        activation: Callable[[torch.Tensor], torch.Tensor] = nn.functional.gelu,
-        **kwargs: object,
-    ) -> SequenceParallelMLP:
+    def from_mlp(cls, fc1: nn.Linear, fc2: nn.Linear, activation: Act = F.gelu, **kw: Any) -> Self:
         """This rank's shard of the single-device MLP ``fc2(activation(fc1(x)))``."""
-        return cls(
-            ColumnParallelLinear.from_linear(fc1, **kwargs),
-            RowParallelLinear.from_linear(fc2, **kwargs),
-            activation,
-        )
+        col, row = ColumnParallelLinear.from_linear, RowParallelLinear.from_linear
+        return cls(col(fc1, **kw), row(fc2, **kw), activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``fc2(activation(fc1(x)))``: ``[..., S/N, H] -> [..., S/N, H]``."""
@@ -105,14 +93,14 @@ class GatedMLP(nn.Module):
         gate: ColumnParallelLinear,
         up: ColumnParallelLinear,
         down: RowParallelLinear,
-        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
+        activation: Gate = swiglu,
     ) -> None:
         super().__init__()
         same = "in_features out_features dim strategy bidirectional groups backend world_size rank"
         differ = [a for a in same.split() if getattr(gate, a) != getattr(up, a)]
         if differ:
             raise ValueError(f"GatedMLP: gate and up must agree on {differ} to share a ring")
-        _check_chain("GatedMLP", "gate", gate, "down", down)
+        _check_chain("GatedMLP", "gate down", gate, down)
         self.gate, self.up, self.down, self.activation = gate, up, down, activation
 
     @classmethod
@@ -121,17 +109,13 @@ class GatedMLP(nn.Module):
         gate: nn.Linear,
         up: nn.Linear,
         down: nn.Linear,
-        activation: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = swiglu,
-        **kwargs: Any,
-    ) -> GatedMLP:
+        activation: Gate = swiglu,
+        **kw: Any,
+    ) -> Self:
         """This rank's shard of ``down(activation(gate(x), up(x)))`` on one device (each
         weight sharded on its own: rank r holds rows ``r*ffn/N ...`` of gate and of up)."""
-        return cls(
-            ColumnParallelLinear.from_linear(gate, **kwargs),
-            ColumnParallelLinear.from_linear(up, **kwargs),
-            RowParallelLinear.from_linear(down, **kwargs),
-            activation,
-        )
+        col, row = ColumnParallelLinear.from_linear, RowParallelLinear.from_linear
+        return cls(col(gate, **kw), col(up, **kw), row(down, **kw), activation)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``down(activation(gate(x), up(x)))``: ``[..., S/N, H] -> [..., S/N, H]``."""

@@ -14,7 +14,7 @@ rank's shard of it, so that the model's own ``forward`` runs unchanged:
   Embedding (input ``Replicate()``): :class:`~xla_permute.VocabParallelEmbedding`;
 * ``SequenceParallel``: the module runs on sequence shards, its weights whole;
 * ``PrepareModuleInput``: ``Shard(d) -> Replicate()`` per positional input, an all-gather;
-* :class:`HeadwiseParallel` (this package's) on an attention: a
+* :class:`~xla_permute.HeadwiseParallel` (this package's) on an attention: a
   :class:`~xla_permute.ParallelAttention` (q, k and v on one ring).
 
 Gate and up of a Hugging Face gated MLP, ``ColwiseParallel`` on sequence shards beside a
@@ -85,8 +85,8 @@ class HeadwiseParallel:
         causal: the causal mask.
         heads, kv_heads: read from the module or its ``config`` when None
             (``num_attention_heads``, ``num_key_value_heads``).
-        returns_weights: return ``(y, None)`` as a Hugging Face attention does; None: when the
-            module is one.
+
+    A Hugging Face attention's place gets ``returns_weights=True`` (``(y, None)``).
     """
 
     input_layouts: Any = None
@@ -94,7 +94,6 @@ class HeadwiseParallel:
     causal: bool = True
     heads: int | None = None
     kv_heads: int | None = None
-    returns_weights: bool | None = None
 
     def build(self, name: str, module: nn.Module, options: dict[str, Any]) -> ParallelAttention:
         """This rank's :class:`~xla_permute.ParallelAttention` for ``module``."""
@@ -119,18 +118,10 @@ class HeadwiseParallel:
         )  # fmt: skip
         if heads is None:
             raise ValueError(f"{name}: no head count found; pass HeadwiseParallel(heads=...)")
-        returns = _is_hugging_face(module) if self.returns_weights is None else self.returns_weights
-        return ParallelAttention.from_linears(
-            **proj,
-            heads=heads,
-            kv_heads=kv_heads,
-            head_dim=getattr(module, "head_dim", None),
-            position_fn=self.position_fn,
-            causal=self.causal,
-            returns_weights=returns,
-            dim=dim,
-            **options,
-        )
+        options = dict(options, position_fn=self.position_fn, causal=self.causal, dim=dim)
+        options |= dict(head_dim=getattr(module, "head_dim", None), kv_heads=kv_heads)
+        hf = _is_hugging_face(module)
+        return ParallelAttention.from_linears(**proj, heads=heads, returns_weights=hf, **options)
 
 
 def _build(name: str, module: nn.Module, style: Any, options: dict[str, Any]) -> nn.Module | None:
@@ -171,17 +162,6 @@ def _build(name: str, module: nn.Module, style: Any, options: dict[str, Any]) ->
     if isinstance(style, HeadwiseParallel):
         return style.build(name, module, options)
     return None
-
-
-def _sequence_dim(style: Any, new: nn.Module | None) -> int | None:
-    """The sequence dimension the style's activations are sharded along (None: whole)."""
-    from torch.distributed.tensor.parallel import SequenceParallel
-
-    if isinstance(style, SequenceParallel):
-        return style.sequence_sharding[0].dim
-    if isinstance(new, ParallelAttention):
-        return new.o_proj.dim
-    return getattr(new, "dim", None)
 
 
 def _gathers(style: Any, name: str) -> list[int | None]:
@@ -277,7 +257,10 @@ def parallelize_module(
         if isinstance(style, PrepareModuleInput):
             _gathers(style, name)  # checked now, installed below
     new = {name: _build(name, named[name], style, options) for name, style in chosen.items()}
-    if any(_sequence_dim(chosen[name], new[name]) is not None for name in chosen):
+    layers = [getattr(m, "o_proj", m) for m in new.values()]  # an attention: its o_proj's dim
+    if any(isinstance(s, SequenceParallel) for s in chosen.values()) or any(
+        getattr(m, "dim", None) is not None for m in layers
+    ):
         _check_covered(module, chosen)
     new = {name: layer for name, layer in new.items() if layer is not None}
     _fuse_gated_mlps(named, new, chosen)  # before anything changes: GatedMLP checks

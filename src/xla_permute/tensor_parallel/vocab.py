@@ -54,42 +54,29 @@ class VocabParallelEmbedding(nn.Module):
         dtype: torch.dtype | None = None,
     ) -> None:
         super().__init__()
-        num_embeddings = check_int(num_embeddings, "num_embeddings", 1)
-        embedding_dim = check_int(embedding_dim, "embedding_dim", 1)
+        self.num_embeddings = n_emb = check_int(num_embeddings, "num_embeddings", 1)
+        self.embedding_dim = check_int(embedding_dim, "embedding_dim", 1)
         self.groups = None if groups is None else [list(g) for g in groups]
         self.backend, self.dim = backend, None if dim is None else check_int(dim, "dim", 0)
         what = type(self).__name__
         self.world_size, self.rank = _place(self.groups, backend, world_size, rank, what)
         n = self.world_size
-        if num_embeddings % n:
+        if n_emb % n:
             raise ValueError(
-                f"num_embeddings = {num_embeddings} is not divisible by the {n} ranks; pad the "
-                f"vocabulary to a multiple of {n} (e.g. {num_embeddings + (-num_embeddings % n)})"
+                f"num_embeddings = {n_emb} is not divisible by the {n} ranks; pad the vocabulary "
+                f"to a multiple of {n} (e.g. {n_emb + (-n_emb % n)})"
             )
-        block = num_embeddings // n
-        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.start = self.rank * block
-        if padding_idx is not None:
-            padding_idx = check_int(padding_idx, "padding_idx", 0, num_embeddings)
-        self.padding_idx = padding_idx
-        self.weight = nn.Parameter(torch.zeros(block, embedding_dim, dtype=dtype))
+        self.start, self.padding_idx = self.rank * n_emb // n, padding_idx
+        self.weight = nn.Parameter(torch.zeros(n_emb // n, self.embedding_dim, dtype=dtype))
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, **kwargs: Any) -> VocabParallelEmbedding:
         """This rank's rows of a full ``nn.Embedding`` (together, the same lookup)."""
-        if not isinstance(embedding, nn.Embedding):
-            raise TypeError(f"embedding must be an nn.Embedding, got {type(embedding).__name__}")
-        layer = cls(
-            embedding.num_embeddings,
-            embedding.embedding_dim,
-            padding_idx=embedding.padding_idx,
-            dtype=embedding.weight.dtype,
-            **kwargs,
-        )
+        w = embedding.weight
+        layer = cls(*w.shape, padding_idx=embedding.padding_idx, dtype=w.dtype, **kwargs)
         with torch.no_grad():
-            rows = embedding.weight.narrow(0, layer.start, layer.weight.shape[0])
-            layer.weight.copy_(rows)
-        return layer.to(embedding.weight.device)
+            layer.weight.copy_(w.narrow(0, layer.start, layer.weight.shape[0]))
+        return layer.to(w.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
         """``[B, S] -> [B, S/N, H]`` (``"sequence"``) or ``[B, S, H]`` (class docstring)."""
@@ -168,21 +155,16 @@ def vocab_parallel_cross_entropy(
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if target.dtype.is_floating_point or target.dtype.is_complex or target.dtype == torch.bool:
         raise TypeError(f"target must be an integer tensor of token ids, got {target.dtype}")
-    if logits.dim() < 1 or tuple(target.shape) != tuple(logits.shape[:-1]):
+    if logits.dim() < 1 or target.shape != logits.shape[:-1]:
+        want, got = tuple(logits.shape[:-1]), tuple(target.shape)
         raise ValueError(
-            f"target must have the logits' shape without the vocabulary dimension: logits "
-            f"{tuple(logits.shape)} needs target {tuple(logits.shape[:-1])}, got "
-            f"{tuple(target.shape)}"
+            f"target must have the logits' shape without the vocabulary: {want}, got {got}"
         )
     ignore_index = check_int(ignore_index, "ignore_index")
-    chosen = check_tensor(logits, "logits", backend)
-    check_tensor(target, "target", backend)
-    _, position, _ = chosen.position(groups)
+    _, position, _ = check_tensor(logits, "logits", backend).position(groups)
     comm = dict(groups=groups, backend=backend)
     start = position * logits.shape[-1]
     loss = _VocabParallelCrossEntropy.apply(logits, target, start, ignore_index, comm)
     if reduction == "none":
         return loss
-    if reduction == "sum":
-        return loss.sum()
-    return loss.sum() / (target != ignore_index).sum()
+    return loss.sum() if reduction == "sum" else loss.sum() / (target != ignore_index).sum()
