@@ -1,7 +1,7 @@
 """What the bench measures on a rank: run, trace and compile times, and peak memory.
 
-Rank functions for :func:`~xla_permute.cpu_mesh.launch.run_on_mesh` (the host side that launches them
-is :mod:`xla_permute_tools.bench.run`):
+Rank functions for :func:`~xla_permute.run_on_mesh` (the host side that launches them is
+:mod:`xla_permute_tools.bench.run`):
 
 * :func:`bench_rank`: emulated runs on every rank (:func:`emulated_runs`), then native trace
   and compile rounds on rank 0 (:func:`native_rounds`), which also returns the traced HLO;
