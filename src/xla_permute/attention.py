@@ -46,9 +46,9 @@ from typing import Any, NamedTuple
 
 import torch
 
-from xla_permute import debug
 from xla_permute.backends.select import BackendName, CommBackend, Ring, check_tensor
 from xla_permute.collectives import all_gather
+from xla_permute.debug import agree
 from xla_permute.pairs import check_int
 from xla_permute.reference import accumulation_dtype
 from xla_permute.sequence import check_layout, layout_chunks, layout_positions
@@ -462,7 +462,7 @@ def ring_attention(
     ring = Ring.build(groups, backend=chosen)
     options = {"groups": ring.groups, "backend": chosen.name, "causal": causal}
     options |= {"layout": layout, "scale": scale_}
-    debug.agree("ring_attention", {"q": q, "k": k}, options, backend=chosen)
+    agree("ring_attention", {"q": q, "k": k}, options, backend=chosen)
     if q.numel() == 0 or k.numel() == 0:  # every rank agrees: no collective
         return q * 0 + (k.sum() + v.sum()) * 0
     ring.check(accumulation_dtype(q.dtype))

@@ -33,8 +33,8 @@ from typing import Any
 
 import torch
 
-from xla_permute import debug
 from xla_permute.backends.select import CommBackend, check_tensor
+from xla_permute.debug import agree
 from xla_permute.pairs import Groups, GroupsLike, check_dim, check_groups
 
 __all__ = [
@@ -91,7 +91,7 @@ def _begin(
             f"of the group; pad it to a multiple of {n}"
         )
     options = {"dim": dim, "groups": [list(g) for g in checked]}
-    debug.agree(op, {"x": x}, options, backend=chosen)
+    agree(op, {"x": x}, options, backend=chosen)
     return dim, checked, chosen
 
 
@@ -208,7 +208,7 @@ def all_reduce(
     """
     chosen = check_tensor(x, "x", backend)
     checked = check_groups(groups, chosen.world_size())
-    debug.agree("all_reduce", {"x": x}, {"groups": [list(g) for g in checked]}, backend=chosen)
+    agree("all_reduce", {"x": x}, {"groups": [list(g) for g in checked]}, backend=chosen)
     if x.numel() == 0 or len(checked[0]) == 1:
         return x.clone()
     return _AllReduce.apply(x, checked, chosen)
@@ -256,7 +256,7 @@ def all_reduce_gradients(
         None if p.grad is None else (tuple(p.grad.shape), str(p.grad.dtype)) for p in params
     ]
     options = {"gradients": repr(described), "groups": [list(g) for g in checked]}
-    debug.agree("all_reduce_gradients", {"parameters[0].grad": grads[0]}, options, backend=chosen)
+    agree("all_reduce_gradients", {"parameters[0].grad": grads[0]}, options, backend=chosen)
     if len(checked[0]) == 1:
         return
     with torch.no_grad():

@@ -43,8 +43,9 @@ from typing import Any
 
 import torch
 
-from xla_permute import collectives, debug
 from xla_permute.backends.select import BackendName, Ring, check_tensor
+from xla_permute.collectives import all_gather_checked, reduce_scatter_checked
+from xla_permute.debug import agree
 from xla_permute.matmul_ring import _block, _RingMatmul
 from xla_permute.pairs import GroupsLike, check_dim, check_groups, check_int
 from xla_permute.reference import accumulation_dtype
@@ -126,7 +127,7 @@ def _agree(
     dtypes, dim, groups and options, each on its own device; else raise on every rank before
     the first collective (and before the shortcut for empty inputs)."""
     tensors = {"x": x, "w": ws[0] if len(ws) == 1 else ws}
-    debug.agree(op, tensors, {"dim": dim, "groups": ring.groups, **opts}, backend=ring.backend)
+    agree(op, tensors, {"dim": dim, "groups": ring.groups, **opts}, backend=ring.backend)
 
 
 def _check_chunks(chunks: object, x: torch.Tensor, dim: int) -> None:
@@ -255,7 +256,7 @@ def all_gather_then_matmul(
         ys = tuple(torch.cat([x @ wi] * ring.size, dim) for wi in ws)
     else:
         checked = check_groups(ring.groups, ring.backend.world_size())
-        full = collectives.all_gather_checked(x, dim, checked, ring.backend)
+        full = all_gather_checked(x, dim, checked, ring.backend)
         ys = tuple(full @ wi for wi in ws)
     return ys[0] if single else ys
 
@@ -279,4 +280,4 @@ def matmul_then_reduce_scatter(
         return _block(x @ w, ring.position, ring.size, dim)
     partial = x.to(acc) @ w.to(acc)
     checked = check_groups(ring.groups, ring.backend.world_size())
-    return collectives.reduce_scatter_checked(partial, dim, checked, ring.backend).to(x.dtype)
+    return reduce_scatter_checked(partial, dim, checked, ring.backend).to(x.dtype)

@@ -29,9 +29,9 @@ from typing import Any
 
 import torch
 
-from xla_permute import debug
 from xla_permute.backends.base import CommBackend, Handle
 from xla_permute.backends.select import BackendName, check_tensor
+from xla_permute.debug import agree
 from xla_permute.pairs import Pairs, PairsLike, check_groups, global_pairs, inverse_pairs
 
 __all__ = ["PermuteWork", "collective_permute"]
@@ -136,6 +136,6 @@ def collective_permute(
     checked = global_pairs(pairs, groups, world)
     chosen.check_pairs(checked, x.dtype)  # native: the hardware's rules; others run anything
     options = {"pairs": checked, "groups": check_groups(groups, world), "backend": chosen.name}
-    debug.agree("collective_permute", {"x": x}, options, backend=chosen)
+    agree("collective_permute", {"x": x}, options, backend=chosen)
     work = permute_checked(x, checked, chosen)
     return work if async_op else work.wait()

@@ -34,8 +34,8 @@ from collections.abc import Callable
 
 import torch
 
-from xla_permute import debug
 from xla_permute.backends.select import BackendName, check_tensor
+from xla_permute.debug import agree
 from xla_permute.permute import permute_checked
 from xla_permute.pipeline.orders import make_schedule
 from xla_permute.pipeline.schedule import check_count
@@ -126,7 +126,7 @@ def pipeline_forward(
     groups = pipeline_groups(comm.world_size(), stages)
     n_stages = len(groups[0])
     options = {"stages": n_stages, "wrap": wrap, "backend": comm.name}
-    debug.agree("pipeline_forward", {"inputs": inputs}, options, backend=comm)
+    agree("pipeline_forward", {"inputs": inputs}, options, backend=comm)
     if inputs.shape[0] == 0:  # no micro-batch: nothing flows, no collective (ranks agree)
         return inputs * 0
     m = inputs.shape[0]

@@ -14,8 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-from xla_permute import debug
 from xla_permute.backends.select import BackendName, check_tensor
+from xla_permute.debug import agree
 from xla_permute.permute import permute_checked
 from xla_permute.pipeline.forward import pipeline_groups
 from xla_permute.pipeline.orders import SCHEDULES, make_schedule
@@ -289,7 +289,7 @@ def pipeline_step(
         "backend": comm.name,
     }
     tensors = {"inputs": inputs, "targets": targets}
-    debug.agree("pipeline_step", tensors, options, backend=comm, error=error)
+    agree("pipeline_step", tensors, options, backend=comm, error=error)
     if schedule is None:  # no micro-batch: nothing flows, no collective (ranks agree)
         return PipelineStep(inputs.new_zeros(()), None, (), (), ())
     zeros = torch.zeros(between[0], dtype=between[1], device=inputs.device)
