@@ -338,15 +338,8 @@ class _RingAttention(torch.autograd.Function):
         b, hq, s, d = q.shape
         hkv = k.shape[1]
         grouped = (b, hkv, hq // hkv, s, d)
-        dq, dk, dv = _ring_backward(
-            q.reshape(grouped).to(acc),
-            k.to(acc),
-            v.to(acc),
-            out,
-            lse,
-            grad.reshape(grouped).to(acc),
-            *ctx.meta,
-        )
+        q_, k_, v_, dout = (t.to(acc) for t in (q.reshape(grouped), k, v, grad.reshape(grouped)))
+        dq, dk, dv = _ring_backward(q_, k_, v_, out, lse, dout, *ctx.meta)
         return dq.reshape(b, hq, s, d).to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None
 
 

@@ -26,6 +26,7 @@ row-parallel layer's reduce-scatter splits it again.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -36,6 +37,7 @@ from xla_permute.sequence import check_layout, shard_sequence, unshard_sequence
 __all__ = ["Mesh2D"]
 
 
+@dataclass(frozen=True)
 class Mesh2D:
     """``tp * cp`` ranks as a TP x CP grid (module docstring). Pure Python: build it anywhere.
 
@@ -44,22 +46,17 @@ class Mesh2D:
         cp: ranks per context-parallel group (the sequence split over them).
     """
 
-    def __init__(self, tp: int, cp: int) -> None:
-        self.tp, self.cp = check_int(tp, "tp", 1), check_int(cp, "cp", 1)
+    tp: int
+    cp: int
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tp", check_int(self.tp, "tp", 1))
+        object.__setattr__(self, "cp", check_int(self.cp, "cp", 1))
 
     @property
     def size(self) -> int:
         """The number of ranks, ``tp * cp``."""
         return self.tp * self.cp
-
-    def __repr__(self) -> str:
-        return f"Mesh2D(tp={self.tp}, cp={self.cp})"
-
-    def __eq__(self, other: object) -> bool:
-        return isinstance(other, Mesh2D) and (self.tp, self.cp) == (other.tp, other.cp)
-
-    def __hash__(self) -> int:
-        return hash((Mesh2D, self.tp, self.cp))
 
     def rank(self, tp_index: int, cp_index: int) -> int:
         """The global rank at ``(tp_index, cp_index)``: ``cp_index * tp + tp_index``."""
