@@ -53,10 +53,8 @@ def kv_head_groups(
     tensor-parallel group size; ``groups``: the tensor-parallel groups (None: ranks
     ``0 ... world_size-1``). Raises ValueError for head counts the ranks cannot split.
 
-    >>> kv_head_groups(8, 2, 4)
-    [[0, 1], [2, 3]]
-    >>> kv_head_groups(8, 4, 4) is None
-    True
+    >>> kv_head_groups(8, 2, 4), kv_head_groups(8, 4, 4)
+    ([[0, 1], [2, 3]], None)
     """
     heads = check_int(heads, "heads", 1)
     kv_heads = check_int(kv_heads, "kv_heads", 1)
@@ -74,12 +72,9 @@ def kv_head_groups(
 
 
 class ParallelAttention(nn.Module):
-    """Multi-head attention with its heads split over ranks (module docstring).
-
-    Build it with :meth:`from_linears` from the single-device projections. ``forward(x)``
-    returns ``y``; with ``returns_weights=True`` (a Hugging Face attention's place) it returns
-    ``(y, None)`` and accepts and ignores that attention's keyword arguments
-    (``position_embeddings``, ``attention_mask`` derived by the model, ...).
+    """Multi-head attention with its heads split over ranks (module docstring), built by
+    :meth:`from_linears`. ``forward(x)`` returns ``y``; with ``returns_weights=True`` (in a
+    Hugging Face attention's place) ``(y, None)``, ignoring that attention's keyword arguments.
     """
 
     def __init__(
@@ -97,17 +92,13 @@ class ParallelAttention(nn.Module):
         layout: str = "contiguous",
     ) -> None:
         super().__init__()
-        self.q_proj, self.k_proj, self.v_proj = qkv
-        self.o_proj = o
-        n = o.world_size
+        (self.q_proj, self.k_proj, self.v_proj), self.o_proj, n = qkv, o, o.world_size
         self.kv_groups = kv_head_groups(heads, kv_heads, n, o.groups)
         self.heads, self.kv_heads, self.head_dim = heads // n, max(1, kv_heads // n), head_dim
-        self.position_fn, self.causal = position_fn, bool(causal)
-        self.returns_weights = bool(returns_weights)
+        self.position_fn, self.causal, self.returns_weights = position_fn, causal, returns_weights
         self.layout = check_layout(layout)
-        self.context_groups = None if context_groups is None else [list(g) for g in context_groups]
-        self.context = None  # (size, position) in the context group, resolved once
-        if context_groups is not None:
+        self.context_groups, self.context = context_groups, None  # context: (size, position)
+        if context_groups is not None:  # resolved once, here
             self.context = _place(context_groups, o.backend, None, None, "ParallelAttention")
 
     @classmethod
@@ -137,10 +128,7 @@ class ParallelAttention(nn.Module):
         hd = head_dim or q.out_features // heads
         for name, lin, count in (("q", q, heads), ("k", k, kv_heads), ("v", v, kv_heads)):
             if lin.out_features != count * hd:
-                raise ValueError(
-                    f"{name}.out_features = {lin.out_features} is not {count} heads of "
-                    f"head_dim {hd}; pass heads=, kv_heads= and head_dim= of this attention"
-                )
+                raise ValueError(f"{name}: {lin.out_features} rows are not {count} heads of {hd}")
         out = RowParallelLinear.from_linear(o, **options)
         n, r = out.world_size, out.rank
         options |= {"world_size": n, "rank": r}

@@ -48,23 +48,16 @@ from xla_permute.matmul import (
 )
 from xla_permute.pairs import GroupsLike, check_int
 
-__all__ = [
-    "STRATEGIES",
-    "ColumnParallelLinear",
-    "RowParallelLinear",
-    "gather_replicated",
-    "reduce_replicated",
-]
+__all__ = ["ColumnParallelLinear", "RowParallelLinear", "gather_replicated", "reduce_replicated"]
 
-STRATEGIES = ("ring", "baseline", "xla")
+STRATEGIES = ("ring", "baseline", "xla")  #: a layer's ``strategy``
 
 
 def _place(
     groups: GroupsLike, backend: str, world_size: object, rank: object, what: str
 ) -> tuple[int, int]:
-    """``(group size, this rank's position)``, resolved once for a layer: asked from the
-    running mesh or process group; given (``world_size``, ``rank``) outside one, and checked
-    against it inside one."""
+    """``(group size, this rank's position)`` for a layer: asked from the running mesh or
+    process group; given (``world_size``, ``rank``) outside one, and checked inside one."""
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
     world_size = None if world_size is None else check_int(world_size, "world_size", 1)
@@ -138,8 +131,7 @@ def gather_replicated(
 
 
 class _ParallelLinear(nn.Module):
-    """What the two layers share; ``sharded`` names the feature axis split over ranks
-    (``"out"``: column parallel, ``"in"``: row parallel)."""
+    """The two layers' common part; ``sharded``: ``"out"`` (column) or ``"in"`` (row)."""
 
     sharded: str
 
@@ -207,12 +199,9 @@ class _ParallelLinear(nn.Module):
         """x on this layer's device, its features those of the weight (a rank alone sees)."""
         name = type(self).__name__
         if x.device != self.weight.device:
-            if self.weight.device.type == "cpu":  # the module was never moved
-                fix = f"move the module to the input's device first: {name}.to(x.device)"
-            else:
-                fix = f"move the input to the layer's device first: x = x.to({name}.weight.device)"
             raise ValueError(
-                f"{name}.weight is on {self.weight.device} but the input is on {x.device}; {fix}"
+                f"{name}.weight is on {self.weight.device} but the input is on {x.device}; move "
+                f"the input to the layer's device (or the layer to the input's: .to(device))"
             )
         if x.dim() < 2 or x.shape[-1] != self.weight.shape[1]:
             what = "in_features" if self.sharded == "out" else "in_features/N"

@@ -1,10 +1,9 @@
 """``parallelize_module``: a model made tensor-parallel in place, from a plan of styles.
 
-PyTorch's call (``torch.distributed.tensor.parallel.parallelize_module``) on this package's
-layers, which hold local tensors (no DTensor). The plan maps module names (``*`` is one name
-of the path: ``"model.layers.*.mlp.up_proj"``) to PyTorch's own styles, read by their layouts
-(``use_local_output`` has no effect: every output is local). Each swaps its module for this
-rank's shard of it, so that the model's own ``forward`` runs unchanged:
+PyTorch's call on this package's layers (local tensors, no DTensor): the plan maps module
+names (``*`` is one name: ``"model.layers.*.mlp.up_proj"``) to PyTorch's own styles, read by
+their layouts (every output is local: ``use_local_output`` has no effect). Each swaps its
+module for this rank's shard of it, and the model's own ``forward`` runs unchanged:
 
 * ``ColwiseParallel`` on a Linear: :class:`~xla_permute.ColumnParallelLinear`, ``dim=d`` for
   input ``Shard(d)`` (an all-gather-matmul), ``None`` for ``Replicate()``; output ``Shard(-1)``
@@ -23,10 +22,9 @@ Hugging Face specifics are the last section here). The gradients of weights seve
 (a ``SequenceParallel`` module's, the KV copies, row-parallel biases) are summed inside the
 backward: **no gradient sum is left to the user**.
 
-Every new layer is built, and everything checked, before the model changes and before any
-collective: a plan key that matches no module, a module matched twice, a style on a module it
-cannot shard, sizes the group does not divide, and (when the plan shards the sequence) a
-parameter in no planned module, whose gradient would be silently partial.
+Every new layer is built and everything checked before the model changes: a plan key that
+matches no module, a module matched twice, a style on a module it cannot shard, sizes the
+group does not divide, and on sequence shards a parameter in no planned module.
 """
 
 from __future__ import annotations
@@ -178,6 +176,15 @@ def _gathers(style: Any, name: str) -> list[int | None]:
     return dims
 
 
+def _gather_inputs(dims: list, position: int, comm: dict, _: nn.Module, args: tuple) -> tuple:
+    """PrepareModuleInput's pre-hook: the inputs with a dim in ``dims`` gathered."""
+    dims = [*dims, *[None] * len(args)]
+    return tuple(
+        x if d is None else gather_replicated(x, d, position, **comm)
+        for x, d in zip(args, dims, strict=False)
+    )
+
+
 def _sum_gradients_on_use(module: nn.Module, comm: dict[str, Any]) -> None:
     """Every forward of ``module`` uses its parameters through :func:`sum_gradients` (the
     gradient summed over the group): a pre-hook swaps them in, a hook that runs even when the
@@ -269,14 +276,8 @@ def parallelize_module(
         if isinstance(style, SequenceParallel):
             _sum_gradients_on_use(named[name], comm)
         elif isinstance(style, PrepareModuleInput):
-            dims = _gathers(style, name)
-
-            def gather(_: nn.Module, args: tuple[Any, ...], dims: list = dims) -> tuple:
-                dims = [*dims, *[None] * len(args)]
-                return tuple(x if d is None else gather_replicated(x, d, r, **comm)
-                             for x, d in zip(args, dims, strict=False))  # fmt: skip
-
-            named[name].register_forward_pre_hook(gather)
+            hook = partial(_gather_inputs, _gathers(style, name), r, comm)
+            named[name].register_forward_pre_hook(hook)
     for name, layer in new.items():
         parent, _, attr = name.rpartition(".")
         setattr(named[parent] if parent else module, attr, layer)
@@ -296,19 +297,14 @@ def _assign(plan: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
         if not isinstance(key, str) or not key:
             raise TypeError(f"plan keys are module names (str), got {key!r}")
         parts = key.split(".")
-        hits = [
-            n
-            for n in names
-            if n and len(n.split(".")) == len(parts) and all(map(fnmatchcase, n.split("."), parts))
-        ]
+        split = [(n, n.split(".")) for n in names if n]
+        hits = [n for n, p in split if len(p) == len(parts) and all(map(fnmatchcase, p, parts))]
         if not hits:
             close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
             raise ValueError(f"plan key {key!r} matches no module of the model; close: {close}")
         for hit in hits:
             if hit in chosen:
-                raise ValueError(
-                    f"module {hit!r} is matched by two plan keys, {keys[hit]!r} and {key!r}"
-                )
+                raise ValueError(f"module {hit!r} is matched by two plan keys: {keys[hit]!r}")
             chosen[hit], keys[hit] = style, key
     return chosen
 
@@ -316,9 +312,8 @@ def _assign(plan: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
 def _check_covered(module: nn.Module, chosen: Mapping[str, Any]) -> None:
     """With the sequence sharded, a parameter in no planned module is refused: its gradient
     would hold this rank's tokens only."""
-    loose = [
-        p for p, _ in module.named_parameters() if not any(p.startswith(n + ".") for n in chosen)
-    ]
+    planned = tuple(name + "." for name in chosen)
+    loose = [p for p, _ in module.named_parameters() if not any(map(p.startswith, planned))]
     if loose:
         raise ValueError(
             f"the plan shards the sequence, but parameters {loose[:4]} are in no planned "
@@ -347,12 +342,11 @@ def _fuse_gated_mlps(
     for name, mlp in named.items():
         parts = [f"{name}.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
         gate, up, down = (new.get(p) for p in parts)
+        columns = isinstance(gate, ColumnParallelLinear) and isinstance(up, ColumnParallelLinear)
+        hf = name not in chosen and _is_hugging_face(mlp) and hasattr(mlp, "act_fn")
         if (
-            name not in chosen
-            and _is_hugging_face(mlp)
-            and hasattr(mlp, "act_fn")
-            and isinstance(gate, ColumnParallelLinear)
-            and isinstance(up, ColumnParallelLinear)
+            hf
+            and columns
             and isinstance(down, RowParallelLinear)
             and gate.dim is not None
             and gate.dim == up.dim == down.dim

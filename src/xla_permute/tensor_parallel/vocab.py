@@ -79,7 +79,7 @@ class VocabParallelEmbedding(nn.Module):
         return layer.to(w.device)
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        """``[B, S] -> [B, S/N, H]`` (``"sequence"``) or ``[B, S, H]`` (class docstring)."""
+        """``[B, S] -> [B, S/N, H]`` (``[B, S, H]`` with ``dim=None``; class docstring)."""
         block = self.weight.shape[0]
         local = tokens - self.start
         mine = (local >= 0) & (local < block)
@@ -90,15 +90,15 @@ class VocabParallelEmbedding(nn.Module):
         y = nn.functional.embedding(local, self.weight, padding_idx=padding)
         y = y * mine.unsqueeze(-1).to(y.dtype)
         comm = dict(groups=self.groups, backend=self.backend)
-        if self.dim is None:
-            return reduce_replicated(y, **comm)
-        return reduce_scatter(y, self.dim, **comm)
+        return (
+            reduce_replicated(y, **comm)
+            if self.dim is None
+            else reduce_scatter(y, self.dim, **comm)
+        )
 
     def extra_repr(self) -> str:
-        end, n = self.start + self.weight.shape[0], self.num_embeddings
-        return (
-            f"rows {self.start}..{end} of {n}, embedding_dim={self.embedding_dim}, dim={self.dim}"
-        )
+        rows = f"rows {self.start}..{self.start + self.weight.shape[0]} of {self.num_embeddings}"
+        return f"{rows}, embedding_dim={self.embedding_dim}, dim={self.dim}"
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
@@ -142,14 +142,12 @@ def vocab_parallel_cross_entropy(
 ) -> torch.Tensor:
     """Cross-entropy of logits sharded over the vocabulary, equal to the unsharded one.
 
-    Per rank: ``logits [..., V/N]`` (this rank's block ``r`` of the vocabulary, as the LM head
-    :class:`~xla_permute.ColumnParallelLinear` gives it), ``target [...]`` (token ids in
-    ``[0, V)`` or ``ignore_index``, the same on every rank) -> the loss, the same on every rank:
-    ``l_t = log(sum_v exp(z_tv)) - z_t,target`` summed (``"sum"``), averaged over the tokens not
-    ignored (``"mean"``, as ``nn.functional.cross_entropy``) or per token (``"none"``,
-    ``[...]``). Computed in float32 for half-precision logits, else in their dtype. Backward
-    (no collective): ``dz_tv = (softmax(z_t)_v - [v = target_t]) dl_t`` on this rank's
-    ``V/N`` columns.
+    Per rank: ``logits [..., V/N]`` (this rank's block of the vocabulary, as the LM head
+    :class:`~xla_permute.ColumnParallelLinear` gives it), ``target [...]`` (token ids or
+    ``ignore_index``, the same on every rank) -> the loss, the same on every rank:
+    ``l_t = log(sum_v exp(z_tv)) - z_t,target``, summed (``"sum"``), averaged over the tokens
+    not ignored (``"mean"``) or per token (``"none"``). In float32 for half-precision logits.
+    Backward (no collective): ``dz_tv = (softmax(z_t)_v - [v = target_t]) dl_t``.
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
