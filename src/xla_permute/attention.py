@@ -241,13 +241,8 @@ def _ring_backward(
     layout: str,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """All in acc dtype, grouped: ``q, out, dout [B, Hkv, G, S/N, D]`` -> dq, dk, dv.
-
-    Hop ``i`` starts one permute before its blocks: K/V ahead (for hop i+1) packed with the
-    dK/dV of the block of hop i-1 behind (what arrived from the rank before, plus this rank's
-    share, computed at hop i-1), so no hop's blocks wait for its permute. Hop 0 sends K/V
-    alone, hop N-1 dK/dV alone; a last permute brings each dK/dV home: N+1 in all.
-    """
+    """All in acc dtype, grouped: ``q, out, dout [B, Hkv, G, S/N, D]`` -> dq, dk, dv; the
+    dK/dV travel one hop behind their K/V, packed in one permute (module docstring)."""
     n = ring.size
     own = layout_chunks(n, ring.position, layout)
     size = q.shape[3] // len(own)

@@ -22,16 +22,11 @@ is its own ring, visited in the order the group lists its ranks (block ``j`` is 
 the group's ``j``-th rank), as ``xm.all_gather`` orders a group. ``None``: one group of all
 ranks. A group of one rank is a plain ``x @ w``.
 
-Memory (XLA:CPU's buffer assignment, x an input of the program): all-gather-matmul writes
-every product into its rows of a preallocated output (``index_copy``, rows computed on the
-device so that every rank runs the same program) as soon as it is made, instead of one
-concatenate of all N at the end: it holds about three x blocks (own, worked on, in flight)
-plus w and the output; with ``chunks=c`` each block travels as c chunks, one chunk all the way
-round before the next, and two chunks replace two of those blocks. Matmul-reduce-scatter reads
-x in row slices at most half the partial sum they add to, each read waiting for the data of
-the product before it (XLA:CPU, free to schedule reads of a parameter, would otherwise copy all
-N blocks of x before the first matmul; :mod:`xla_permute.matmul_ring`). It then holds x, w,
-one chunk and a few partial sums: at most the baseline's x plus ``x @ w``.
+Memory (XLA:CPU's buffer assignment, x an input of the program; how, in
+:mod:`xla_permute.matmul_ring`): all-gather-matmul holds about three x blocks (own, worked
+on, in flight) plus w and the output, never the gathered x; with ``chunks=c`` two chunks
+replace two of those blocks. Matmul-reduce-scatter holds x, w, one row slice of a block and a
+few partial sums: at most the baseline's x plus ``x @ w``.
 Empty inputs (0 rows, ``K = 0``, ``F = 0``) give the empty (or zero) result without a
 collective.
 """
