@@ -49,7 +49,7 @@ import torch
 from xla_permute.backends.select import BackendName, CommBackend, Ring, check_tensor
 from xla_permute.collectives import all_gather
 from xla_permute.debug import agree
-from xla_permute.pairs import check_int
+from xla_permute.pairs import GroupsLike, check_int
 from xla_permute.reference import accumulation_dtype
 from xla_permute.sequence import check_layout, layout_chunks, layout_positions
 
@@ -409,7 +409,7 @@ def ring_attention(
     causal: bool = False,
     layout: str = "contiguous",
     scale: float | None = None,
-    groups: Sequence[Sequence[int]] | None = None,
+    groups: GroupsLike = None,
     backend: BackendName = "auto",
 ) -> torch.Tensor:
     """Attention of this rank's queries to the whole sequence, K/V passed around a ring.

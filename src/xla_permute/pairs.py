@@ -212,7 +212,7 @@ def check_pairs(pairs: PairsLike, group_size: int | None) -> Pairs:
     return tuple(out)
 
 
-def check_groups(groups: Sequence[Sequence[int]] | None, world_size: int) -> Groups:
+def check_groups(groups: GroupsLike, world_size: int) -> Groups:
     """Validate replica groups: equal sizes, no overlap, together exactly ranks 0..N-1.
 
     ``None`` means one group of all ranks.
@@ -265,9 +265,7 @@ def check_groups(groups: Sequence[Sequence[int]] | None, world_size: int) -> Gro
     return tuple(out)
 
 
-def global_pairs(
-    pairs: PairsLike, groups: Sequence[Sequence[int]] | None, world_size: int
-) -> Pairs:
+def global_pairs(pairs: PairsLike, groups: GroupsLike, world_size: int) -> Pairs:
     """Check group-local ``pairs`` and ``groups`` and return the equivalent global pairs.
 
     >>> global_pairs([(0, 1), (1, 0)], [[0, 1], [2, 3]], 4)

@@ -24,7 +24,6 @@ inverse_pairs(pairs))``; a rank whose value went nowhere gets a zero gradient.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -32,7 +31,14 @@ import torch
 from xla_permute.backends.base import CommBackend, Handle
 from xla_permute.backends.select import BackendName, check_tensor
 from xla_permute.debug import agree
-from xla_permute.pairs import Pairs, PairsLike, check_groups, global_pairs, inverse_pairs
+from xla_permute.pairs import (
+    GroupsLike,
+    Pairs,
+    PairsLike,
+    check_groups,
+    global_pairs,
+    inverse_pairs,
+)
 
 __all__ = ["PermuteWork", "collective_permute"]
 
@@ -89,7 +95,7 @@ def collective_permute(
     x: torch.Tensor,
     pairs: PairsLike,
     *,
-    groups: Sequence[Sequence[int]] | None = None,
+    groups: GroupsLike = None,
     backend: BackendName = "auto",
     async_op: bool = False,
 ) -> Any:

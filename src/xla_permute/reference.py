@@ -14,11 +14,9 @@ quote. They are differentiable with plain torch autograd, which gives the refere
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import torch
 
-from xla_permute.pairs import PairsLike, global_pairs
+from xla_permute.pairs import GroupsLike, PairsLike, global_pairs
 
 __all__ = [
     "accumulation_dtype",
@@ -51,9 +49,7 @@ def accumulation_dtype(dtype: torch.dtype, reduce_dtype: torch.dtype | None = No
     return reduce_dtype
 
 
-def permute(
-    xs: torch.Tensor, pairs: PairsLike, groups: Sequence[Sequence[int]] | None = None
-) -> torch.Tensor:
+def permute(xs: torch.Tensor, pairs: PairsLike, groups: GroupsLike = None) -> torch.Tensor:
     """CollectivePermute: ``out[t] = xs[s]`` for every pair ``(s, t)``; zeros elsewhere.
 
     With ``groups``, the pairs are group-local and apply inside every group. The result is
@@ -71,7 +67,7 @@ def stage_shift(
     offset: int = 1,
     *,
     wrap: bool,
-    groups: Sequence[Sequence[int]] | None = None,
+    groups: GroupsLike = None,
 ) -> torch.Tensor:
     """A stage shift: ``out[r] = xs[r - offset]``; the ends get zeros, or wrap with ``wrap``.
 

@@ -14,7 +14,7 @@ from typing import Protocol
 
 import torch
 
-from xla_permute.pairs import Groups, Pairs, check_groups
+from xla_permute.pairs import Groups, GroupsLike, Pairs, check_groups
 
 __all__ = ["CommBackend", "Handle", "Ready"]
 
@@ -53,9 +53,7 @@ class CommBackend:
     def rank(self) -> int:
         raise NotImplementedError
 
-    def position(
-        self, groups: Sequence[Sequence[int]] | None = None
-    ) -> tuple[int, int, Groups | None]:
+    def position(self, groups: GroupsLike = None) -> tuple[int, int, Groups | None]:
         """``(group size, this rank's position in its group, checked groups)``; groups=None:
         all ranks, and None as the checked groups."""
         world, rank = self.world_size(), self.rank()

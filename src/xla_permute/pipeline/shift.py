@@ -37,13 +37,21 @@ True
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
 import torch
 
 from xla_permute.backends.select import BackendName, CommBackend, check_tensor
 from xla_permute.hardware import requires_complete_rings
-from xla_permute.pairs import Groups, Pairs, check_groups, check_int, global_pairs, ring_pairs
+from xla_permute.pairs import (
+    Groups,
+    GroupsLike,
+    Pairs,
+    check_groups,
+    check_int,
+    global_pairs,
+    ring_pairs,
+)
 from xla_permute.permute import collective_permute
 
 __all__ = [
@@ -153,7 +161,7 @@ def stage_shift(
     *,
     offset: int = 1,
     wrap: bool | None = None,
-    groups: Sequence[Sequence[int]] | None = None,
+    groups: GroupsLike = None,
     backend: BackendName = "auto",
 ) -> torch.Tensor:
     """Send this rank's ``x`` to the rank ``offset`` ahead, all ranks at once, in one permute.
