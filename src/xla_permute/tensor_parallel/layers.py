@@ -161,10 +161,10 @@ class _ParallelLinear(nn.Module):
         self.groups = None if groups is None else [list(g) for g in groups]
         what = type(self).__name__
         self.world_size, self.rank = _place(self.groups, backend, world_size, rank, what)
-        n, what = self.world_size, f"{self.sharded}_features"
-        if getattr(self, what) % n:
+        n, split = self.world_size, f"{self.sharded}_features"  # the features split over ranks
+        if getattr(self, split) % n:
             raise ValueError(
-                f"{what} = {getattr(self, what)} is not divisible by the {n} ranks; choose a "
+                f"{split} = {getattr(self, split)} is not divisible by the {n} ranks; choose a "
                 f"multiple of {n}"
             )
         column = self.sharded == "out"
