@@ -11,17 +11,14 @@ sequence parallel (the default): ``x [B, S/N, H] -> y [B, S/N, H]``:
    key/value head ``h // (Hq/Hkv)``);
 4. ``y = ReduceScatter(o @ Wo_r.T) + b``: a :class:`~xla_permute.RowParallelLinear` ring.
 
-With ``dim=None`` x and y are ``[B, S, H]``, whole on every rank, and the only collective is
-``o_proj``'s all-reduce (Megatron's layout). **Context parallelism** (``context_groups``, the
-ranks that split the sequence, :class:`~xla_permute.Mesh2D`'s ``cp_groups``): step 3 is
-:func:`~xla_permute.ring_attention` over the context group and ``positions`` the shard's
-global ones (:func:`~xla_permute.sequence.layout_positions` of ``layout``).
-
-**Key/value heads.** ``Hkv % N == 0``: rank r holds KV heads ``r*Hkv/N ...``. ``N % Hkv == 0``:
-KV head ``j`` is held whole by the ``N/Hkv`` ranks of its query heads, and the copies'
-gradients are summed over those ranks inside the backward
-(:func:`~xla_permute.collectives.sum_gradients`), so the copies stay equal. Any other ``Hkv``
-is refused. Backward: the collective matmuls' own (:mod:`xla_permute.matmul`) and autograd.
+With ``dim=None`` x and y are ``[B, S, H]``, whole on every rank; the only collective is
+``o_proj``'s all-reduce. **Context parallelism** (``context_groups``: the ranks that split the
+sequence): step 3 is :func:`~xla_permute.ring_attention` over them and ``positions`` the
+shard's global ones (:func:`~xla_permute.sequence.layout_positions`). **KV heads**: with
+``Hkv % N == 0`` rank r holds heads ``r*Hkv/N ...``; with ``N % Hkv == 0`` head ``j`` is held
+whole by the ``N/Hkv`` ranks of its query heads, the copies' gradients summed over them in
+the backward (:func:`~xla_permute.collectives.sum_gradients`); other ``Hkv`` are refused.
+Backward: the collective matmuls' own (:mod:`xla_permute.matmul`) and autograd.
 """
 
 from __future__ import annotations
@@ -174,10 +171,8 @@ class ParallelAttention(nn.Module):
         params = [(p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)]
         if self.kv_groups is not None:
             comm = dict(groups=self.kv_groups, backend=self.o_proj.backend)
-            params[1:] = [
-                tuple(None if t is None else sum_gradients(t, **comm) for t in p)
-                for p in params[1:]
-            ]
+            kv = [[None if t is None else sum_gradients(t, **comm) for t in p] for p in params[1:]]
+            params[1:] = [tuple(p) for p in kv]
         return self.q_proj.fused(x, params)
 
     def extra_repr(self) -> str:

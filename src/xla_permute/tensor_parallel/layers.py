@@ -19,12 +19,11 @@ column layer is a local matmul (backward: ``dx`` summed over ranks), the row lay
 
 ``strategy``, fixed when the layer is built: ``"ring"`` (collective matmul, the default;
 ``bidirectional``: both ways round), ``"baseline"`` (the blocking collective, then the matmul)
-or ``"xla"``: the baseline's collectives in the form the TPU compiler rewrites into its own
-collective matmul (the reduce-scatter in the input dtype, as the upstream proof of concept),
-given the TPU recipe's environment (``xla_permute_tools.tpu.recipe_problems`` names what is
-missing). For the cost model's choice, ask ``xla_permute_tools.cost.choose_strategy`` and pass
-its answer. The group and this rank's place in it are resolved once, when the layer is built:
-from the running mesh or process group, or given (``world_size=``, ``rank=``) outside a rank.
+or ``"xla"`` (the baseline's collectives in the form the TPU compiler rewrites into its own
+collective matmul, given the TPU recipe's environment; the reduce-scatter in the input dtype,
+as the upstream PoC). The cost model advises: ``xla_permute_tools.cost.choose_strategy``. The
+group and this rank's place in it are resolved once, when the layer is built: from the running
+mesh or process group, or given (``world_size=``, ``rank=``) outside a rank.
 """
 
 from __future__ import annotations
@@ -112,11 +111,9 @@ class _GatherReplicated(torch.autograd.Function):
 def reduce_replicated(
     x: torch.Tensor, *, groups: GroupsLike = None, backend: str = "auto"
 ) -> torch.Tensor:
-    """The sum of every rank's partial ``x`` over the group, a replicated result (Megatron's
+    """The sum of every rank's partial ``x``, a replicated result (Megatron's
     ``reduce_from_tensor_model_parallel_region``): ``x [...] -> [...]``, ``y = sum_j x_j``.
-    Backward: ``dx = dy`` (every rank's ``dy`` is already the whole gradient of the replicated
-    ``y``: every rank differentiates the same loss), unlike :func:`~xla_permute.all_reduce`'s
-    sum."""
+    Backward: ``dx = dy`` (each rank's ``dy`` is the whole gradient of the replicated ``y``)."""
     return _ReduceReplicated.apply(x, groups, backend)
 
 

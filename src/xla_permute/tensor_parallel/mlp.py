@@ -39,15 +39,10 @@ def _check_chain(block: str, names: str, first: nn.Module, second: nn.Module) ->
     """A column-parallel layer feeding a row-parallel one: the same ranks and sharded
     dimension, the first's outputs the second's inputs (checked once, when built)."""
     a, b = names.split()
-    differ = [
-        k
-        for k in ("dim", "groups", "world_size", "rank")
-        if getattr(first, k) != getattr(second, k)
-    ]
-    if first.out_features != second.in_features:
-        differ.append(
-            f"{a}.out_features = {first.out_features} vs {b}.in_features = {second.in_features}"
-        )
+    same = ("dim", "groups", "world_size", "rank")
+    differ = [k for k in same if getattr(first, k) != getattr(second, k)]
+    f, k = first.out_features, second.in_features
+    differ += [f"{a}.out_features = {f} vs {b}.in_features = {k}"] if f != k else []
     if differ:
         raise ValueError(
             f"{block}: {a} feeds {b}, so they must agree on {differ}; build both with the "

@@ -16,11 +16,10 @@ module for this rank's shard of it, and the model's own ``forward`` runs unchang
 * :class:`~xla_permute.HeadwiseParallel` (this package's) on an attention: a
   :class:`~xla_permute.ParallelAttention` (q, k and v on one ring).
 
-Gate and up of a Hugging Face gated MLP, ``ColwiseParallel`` on sequence shards beside a
-``RowwiseParallel`` down, become one :class:`~xla_permute.GatedMLP` (one ring for both; the
-Hugging Face specifics are the last section here). The gradients of weights several ranks hold
-(a ``SequenceParallel`` module's, the KV copies, row-parallel biases) are summed inside the
-backward: **no gradient sum is left to the user**.
+A Hugging Face gated MLP whose gate and up are ``ColwiseParallel`` on sequence shards becomes
+one :class:`~xla_permute.GatedMLP` (one ring for both; the Hugging Face specifics are the last
+section here). Weights several ranks hold (a ``SequenceParallel`` module's, KV copies, biases
+of row-parallel layers) have their gradients summed inside the backward.
 
 Every new layer is built and everything checked before the model changes: a plan key that
 matches no module, a module matched twice, a style on a module it cannot shard, sizes the
@@ -72,19 +71,15 @@ def _layout(placements: Any, what: str) -> tuple[str, int | None]:
 @dataclass(frozen=True)
 class HeadwiseParallel:
     """Attention with its heads split over ranks: the module (its Linears ``q_proj, k_proj,
-    v_proj, o_proj``) becomes a :class:`~xla_permute.ParallelAttention` (one ring for q/k/v,
-    one for o).
+    v_proj, o_proj``) becomes a :class:`~xla_permute.ParallelAttention`, returning
+    ``(y, None)`` where a Hugging Face attention was.
 
     Args:
-        input_layouts: ``Shard(1)`` (sequence parallel, the default) or ``Replicate()``;
-            the output takes the same layout.
-        position_fn: ``(q, k, positions) -> (q, k)`` applied after the gather (rotary
-            embeddings); None: none.
+        input_layouts: ``Shard(1)`` (sequence parallel, the default) or ``Replicate()``.
+        position_fn: ``(q, k, positions) -> (q, k)`` after the gather (rotary embeddings).
         causal: the causal mask.
-        heads, kv_heads: read from the module or its ``config`` when None
-            (``num_attention_heads``, ``num_key_value_heads``).
-
-    A Hugging Face attention's place gets ``returns_weights=True`` (``(y, None)``).
+        heads, kv_heads: None: the module's or its ``config``'s ``num_attention_heads``,
+            ``num_key_value_heads``.
     """
 
     input_layouts: Any = None
@@ -104,16 +99,11 @@ class HeadwiseParallel:
             raise ValueError(f"{name}: attention dropout {dropout} is not supported; use 0.0")
         proj = {r: getattr(module, f"{r}_proj", None) for r in "qkvo"}
         if not all(isinstance(p, nn.Linear) for p in proj.values()):
-            raise ValueError(
-                f"HeadwiseParallel on {name!r}: no Linears q_proj/k_proj/v_proj/o_proj"
-            )
-        config = getattr(module, "config", None)
-        heads, kv_heads = (
-            next((v for v in [given, getattr(module, a, None), getattr(config, a, None)]
-                  if isinstance(v, int)), None)
-            for given, a in ((self.heads, "num_attention_heads"),
-                             (self.kv_heads, "num_key_value_heads"))
-        )  # fmt: skip
+            raise ValueError(f"HeadwiseParallel on {name!r}: no Linears q_proj/k_proj/...")
+        config = getattr(module, "config", None)  # Hugging Face's keeps the head counts
+        names = ("num_attention_heads", "num_key_value_heads")
+        found = [getattr(module, a, getattr(config, a, None)) for a in names]
+        heads, kv_heads = self.heads or found[0], self.kv_heads or found[1]
         if heads is None:
             raise ValueError(f"{name}: no head count found; pass HeadwiseParallel(heads=...)")
         options = dict(options, position_fn=self.position_fn, causal=self.causal, dim=dim)
@@ -225,10 +215,9 @@ def parallelize_module(
         plan: ``{module name or pattern: style}``.
         strategy, bidirectional: of every layer (:mod:`~xla_permute.tensor_parallel.layers`;
             ``xla_permute_tools.cost.choose_strategy``'s advice is a value to pass here).
-        context_groups, layout: context parallelism (:mod:`~xla_permute.tensor_parallel.heads`):
-            the groups that split the sequence (``Mesh2D``'s ``cp_groups``; ``groups`` then its
-            ``tp_groups``) and each rank's shard's layout; every gradient is then also summed
-            over the context group (each rank holds other tokens).
+        context_groups, layout: context parallelism (:mod:`~xla_permute.tensor_parallel.heads`;
+            ``Mesh2D``'s ``cp_groups``, ``groups`` its ``tp_groups``); every gradient is then
+            also summed over the context group (each rank holds other tokens).
         backend, world_size, rank: as the layers' (None: asked from the running mesh).
 
     Raises:
@@ -254,11 +243,8 @@ def parallelize_module(
     styles = (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput)
     for name, style in chosen.items():
         inner = [o for o in chosen if o.startswith(name + ".")]
-        if not isinstance(style, (*styles, HeadwiseParallel)):
-            raise TypeError(
-                f"{name}: style {type(style).__name__} is not one this package applies; use "
-                f"{', '.join(s.__name__ for s in styles)} or xla_permute.HeadwiseParallel"
-            )
+        if not isinstance(style, (*styles, HeadwiseParallel)):  # the module docstring's
+            raise TypeError(f"{name}: style {type(style).__name__} is not one this package applies")
         if inner and isinstance(style, HeadwiseParallel | SequenceParallel):
             raise ValueError(f"{inner[0]!r} is inside {name!r}, which its style takes whole")
         if isinstance(style, PrepareModuleInput):
@@ -361,7 +347,6 @@ def _refuse_padding_mask(module: nn.Module, args: tuple[Any, ...], kwargs: dict[
     """A Hugging Face model's padding mask would be dropped by its parallel attentions."""
     if kwargs.get("attention_mask") is not None or len(args) > 1:
         raise ValueError(
-            f"{type(module).__name__} was parallelized with HeadwiseParallel, whose attention "
-            f"is causal over the whole sequence and takes no padding mask: call it with "
-            f"input_ids only (pack the sequences; no attention_mask)"
+            f"{type(module).__name__}'s attentions (HeadwiseParallel) take no padding mask: call "
+            f"it with input_ids only (pack the sequences)"
         )

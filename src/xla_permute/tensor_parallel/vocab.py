@@ -1,7 +1,7 @@
 """Vocabulary parallelism (Megatron-LM's): embedding, LM head and cross-entropy over vocab shards.
 
-With N ranks and a vocabulary of V tokens, rank r holds the rows ``r*V/N ... (r+1)*V/N`` of the
-embedding table and of the LM head, so full ``[B, S, V]`` logits never exist on one rank:
+Rank r of N holds rows ``r*V/N ... (r+1)*V/N`` of the embedding table and of the LM head, so
+full ``[B, S, V]`` logits never exist on one rank:
 
 * :class:`VocabParallelEmbedding`: tokens ``[B, S]`` (the same on every rank) ->
   ``[B, S/N, H]`` (the sequence-parallel activations, one reduce-scatter) or ``[B, S, H]``
