@@ -5,8 +5,8 @@ sequence parallel (the default): ``x [B, S/N, H] -> y [B, S/N, H]``:
 
 1. ``q, k, v = AllGather(x) @ [Wq_r, Wk_r, Wv_r].T`` on **one** all-gather-matmul ring (x travels
    once): this rank's ``Hq/N`` query heads and their key/value heads, for the whole sequence;
-2. ``position_fn(q, k, positions)`` (rotary embeddings) on the gathered sequence, ``positions
-   = 0 ... S-1``: the positions are right only after the gather;
+2. ``position_fn(q, k, positions)`` (rotary embeddings), ``positions = 0 ... S-1`` (right only
+   after the gather);
 3. ``softmax(q k^T / sqrt(D) + causal mask) v`` on this rank's heads (query head ``h`` reads
    key/value head ``h // (Hq/Hkv)``);
 4. ``y = ReduceScatter(o @ Wo_r.T) + b``: a :class:`~xla_permute.RowParallelLinear` ring.
@@ -141,10 +141,7 @@ class ParallelAttention(nn.Module):
         """``[B, S/N, H] -> [B, S/N, H]`` (``[B, S, H]`` without sequence parallelism)."""
         x = hidden_states
         if args or (kwargs.get("attention_mask") is not None and not self.returns_weights):
-            raise ValueError(
-                "ParallelAttention makes its own causal mask and takes no attention_mask or "
-                "positional arguments (padding masks are not supported: pack the sequences)"
-            )
+            raise ValueError("ParallelAttention takes no attention_mask, no positional argument")
         qkv = self._project(x)
         b, s = qkv[0].shape[:2]
         q, k, v = (
@@ -166,8 +163,7 @@ class ParallelAttention(nn.Module):
         return (y, None) if self.returns_weights else y
 
     def _project(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """q, k, v for the whole sequence on one ring; the gradients of KV copies (heads held
-        whole by several ranks) summed over their ranks."""
+        """q, k, v for the whole sequence on one ring; the KV copies' gradients summed."""
         params = [(p.weight, p.bias) for p in (self.q_proj, self.k_proj, self.v_proj)]
         if self.kv_groups is not None:
             comm = dict(groups=self.kv_groups, backend=self.o_proj.backend)

@@ -120,10 +120,9 @@ def reduce_replicated(
 def gather_replicated(
     x: torch.Tensor, dim: int, position: int, *, groups: GroupsLike = None, backend: str = "auto"
 ) -> torch.Tensor:
-    """Every rank's block concatenated along ``dim``, a replicated result (Megatron's
-    ``gather_from_tensor_model_parallel_region``): ``[..., m, ...] -> [..., N*m, ...]``
-    (``dim`` non-negative; ``position``: this rank's place in its group). Backward: this rank's
-    block of ``dy``, ``dy[..., position*m : (position+1)*m, ...]`` (not summed: replicated)."""
+    """Every rank's block concatenated along ``dim`` (non-negative), a replicated result
+    (Megatron's ``gather_from_tensor_model_parallel_region``): ``[..., m, ...] -> [..., N*m,
+    ...]``. Backward: this rank's block (``position`` in its group) of ``dy``, not summed."""
     return _GatherReplicated.apply(x, dim, position, groups, backend)
 
 
@@ -208,10 +207,8 @@ class _ParallelLinear(nn.Module):
             )
 
     def extra_repr(self) -> str:
-        return (
-            f"weight={tuple(self.weight.shape)}, rank={self.rank}/{self.world_size}, "
-            f"dim={self.dim}, strategy={self.strategy!r}, groups={self.groups}"
-        )
+        shape, place = tuple(self.weight.shape), f"{self.rank}/{self.world_size}"
+        return f"weight={shape}, rank={place}, dim={self.dim}, strategy={self.strategy!r}"
 
 
 class ColumnParallelLinear(_ParallelLinear):

@@ -176,9 +176,8 @@ def _gather_inputs(dims: list, position: int, comm: dict, _: nn.Module, args: tu
 
 
 def _sum_gradients_on_use(module: nn.Module, comm: dict[str, Any]) -> None:
-    """Every forward of ``module`` uses its parameters through :func:`sum_gradients` (the
-    gradient summed over the group): a pre-hook swaps them in, a hook that runs even when the
-    forward raises swaps the parameters back (hooks get the module: a copy keeps them)."""
+    """Every forward of ``module`` uses its parameters through :func:`sum_gradients`: a
+    pre-hook swaps them in, a hook that runs even when the forward raises swaps them back."""
 
     def substitute(m: nn.Module, args: tuple[Any, ...]) -> None:
         saved = [(o, n, p) for o in m.modules() for n, p in o._parameters.items() if p is not None]
@@ -213,15 +212,13 @@ def parallelize_module(
         module: the model, the same on every rank (each new layer goes where its original was).
         groups: the tensor-parallel groups (where PyTorch takes a DeviceMesh); None: all ranks.
         plan: ``{module name or pattern: style}``.
-        strategy, bidirectional: of every layer (:mod:`~xla_permute.tensor_parallel.layers`;
-            ``xla_permute_tools.cost.choose_strategy``'s advice is a value to pass here).
+        strategy, bidirectional: of every layer (:mod:`~xla_permute.tensor_parallel.layers`).
         context_groups, layout: context parallelism (:mod:`~xla_permute.tensor_parallel.heads`;
             ``Mesh2D``'s ``cp_groups``, ``groups`` its ``tp_groups``); every gradient is then
             also summed over the context group (each rank holds other tokens).
         backend, world_size, rank: as the layers' (None: asked from the running mesh).
 
-    Raises:
-        TypeError, ValueError: a bad plan (module docstring), before the model changes.
+    Raises ``TypeError``, ``ValueError`` for a bad plan (module docstring), before any change.
     """
     from torch.distributed.tensor.parallel import (
         ColwiseParallel,

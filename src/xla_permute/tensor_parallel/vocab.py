@@ -3,13 +3,10 @@
 Rank r of N holds rows ``r*V/N ... (r+1)*V/N`` of the embedding table and of the LM head, so
 full ``[B, S, V]`` logits never exist on one rank:
 
-* :class:`VocabParallelEmbedding`: tokens ``[B, S]`` (the same on every rank) ->
-  ``[B, S/N, H]`` (the sequence-parallel activations, one reduce-scatter) or ``[B, S, H]``
-  (``dim=None``: one all-reduce). Each rank looks up the tokens of its rows (the others give
-  zeros) and the sum over ranks is the full lookup.
-* The LM head is a :class:`~xla_permute.ColumnParallelLinear` (``[B, S/N, H] -> [B, S, V/N]``, one
-  all-gather-matmul).
-* :func:`vocab_parallel_cross_entropy`: logits ``[..., V/N]`` -> the loss, replicated, equal to
+* :class:`VocabParallelEmbedding`: tokens ``[B, S]`` -> ``[B, S/N, H]`` (one reduce-scatter)
+  or ``[B, S, H]`` (one all-reduce): each rank looks up its rows, the sum is the full lookup.
+* The LM head: a :class:`~xla_permute.ColumnParallelLinear`, ``[B, S/N, H] -> [B, S, V/N]``.
+* :func:`vocab_parallel_cross_entropy`: logits ``[..., V/N]`` -> the loss, equal to
   ``cross_entropy`` of the gathered logits; the max, the sum of exponentials and the target's
   logit travel (``[..., N]`` and ``[..., 2]`` floats per token), not the logits.
 """
@@ -34,10 +31,9 @@ class VocabParallelEmbedding(nn.Module):
     """``nn.Embedding(num_embeddings, embedding_dim)`` with its rows sharded over ranks.
 
     Per rank: tokens ``[B, S]`` (the same on every rank) -> ``[B, S/N, H]`` (``dim``: the
-    output's sequence dimension) or ``[B, S, H]`` (``dim=None``). ``y = sum_r E_r[t - r*V/N]``
-    (``E_r[.] = 0`` outside rank r's rows), reduce-scattered along ``dim`` or all-reduced.
-    Backward: the gradient of this rank's rows only (the tokens it holds); with ``dim``, an
-    all-gather of ``dy`` first.
+    output's sequence dimension) or ``[B, S, H]`` (``dim=None``); ``y = sum_r E_r[t - r*V/N]``
+    (zero outside rank r's rows) reduce-scattered or all-reduced. Backward: the gradient of this
+    rank's rows only; with ``dim``, after an all-gather of ``dy``.
     """
 
     def __init__(
