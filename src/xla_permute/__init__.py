@@ -51,7 +51,7 @@ from xla_permute.matmul_ring import (
 )
 
 # The CPU mesh: run a function on every device
-from xla_permute.mesh.launch import MeshError, RankError, run_on_mesh
+from xla_permute.cpu_mesh import MeshError, RankError, run_on_mesh
 
 # A TP x CP grid of ranks: its groups and its two-level token sharding
 from xla_permute.mesh2d import Mesh2D
@@ -100,29 +100,14 @@ from xla_permute.tensor_parallel.parallelize import HeadwiseParallel, paralleliz
 # Vocabulary parallelism: embedding and cross-entropy over vocabulary shards
 from xla_permute.tensor_parallel.vocab import VocabParallelEmbedding, vocab_parallel_cross_entropy
 
-#: Submodules reached as attributes (imported on first use): ``xp.hardware.caveats()``, ...
-_SUBMODULES = ("reference", "hardware", "hlo", "cost", "figures")
-#: ``xp.figures``, as the tutorials draw with it, is the workshop's module (outside the library,
-#: which never imports it): reached here by name on first use only.
-_WORKSHOP = {"figures": "xla_permute_tools.figures"}
-#: Submodules that need an optional dependency, and the extra that installs it.
-_EXTRAS = {"figures": ("matplotlib", "figures")}
+#: Submodules reached as attributes (imported on first use): ``xp.hlo.trace(y)``, ...
+_SUBMODULES = ("reference", "hardware", "hlo")
 
 
 def __getattr__(name: str) -> Any:
     if name not in _SUBMODULES:
         raise AttributeError(f"module 'xla_permute' has no attribute {name!r}")
-    try:
-        module = importlib.import_module(_WORKSHOP.get(name, f"xla_permute.{name}"))
-    except ModuleNotFoundError as e:
-        need = _EXTRAS.get(name)
-        if need is None or (e.name or "").partition(".")[0] != need[0]:
-            raise
-        raise ModuleNotFoundError(
-            f"xp.{name} needs {need[0]}, which is not installed: "
-            f"pip install 'xla-permute[{need[1]}]'",
-            name=need[0],
-        ) from e
+    module = importlib.import_module(f"xla_permute.{name}")
     globals()[name] = module
     return module
 
