@@ -4,8 +4,8 @@ import pytest
 import torch
 
 from xla_permute import reference
-from xla_permute.pairs import ring_pairs
 from xla_permute.matmul_ring import all_gather_schedule, reduce_scatter_schedule, ring_steps
+from xla_permute.pairs import ring_pairs
 
 NS = [1, 2, 3, 4, 5, 8]
 

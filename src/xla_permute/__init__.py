@@ -32,6 +32,9 @@ from xla_permute.collectives import (
     reduce_scatter,
     sum_gradients,
 )
+
+# The CPU mesh: run a function on every device
+from xla_permute.cpu_mesh import MeshError, RankError, run_on_mesh
 from xla_permute.debug import DisagreementError, debug_mode
 
 # Collective matmul and its baselines
@@ -49,9 +52,6 @@ from xla_permute.matmul_ring import (
     reduce_scatter_schedule,
     ring_steps,
 )
-
-# The CPU mesh: run a function on every device
-from xla_permute.cpu_mesh import MeshError, RankError, run_on_mesh
 
 # A TP x CP grid of ranks: its groups and its two-level token sharding
 from xla_permute.mesh2d import Mesh2D
