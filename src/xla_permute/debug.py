@@ -58,15 +58,15 @@ __all__ = [
     "signature",
 ]
 
-#: The environment variable of the check level: ``1`` every call, ``0`` (or unset) sampled,
-#: ``none`` off (the level names ``every``, ``sampled``, ``off`` work too).
+#: The environment variable of the check level (``1`` every call, ``0`` or unset sampled,
+#: ``none`` off; the level names ``every``, ``sampled``, ``off`` work too).
 ENV = "XLA_PERMUTE_DEBUG"
 #: The check levels, most checks first.
 LEVELS = ("every", "sampled", "off")
 _FROM_ENV = {"1": "every", "": "sampled", "0": "sampled", "none": "off", **{v: v for v in LEVELS}}
 #: int32 values per signature (4 bytes of its UTF-8 text each, zero-padded).
 SIGNATURE_INTS = 1024
-#: The longest value shown whole (longer ones: cut, with a checksum of the whole).
+#: The longest value shown whole; a longer one is cut, with a checksum of the whole.
 MAX_VALUE = 160
 
 _local = threading.local()  # per rank: the ranks of the CPU mesh are threads of one process

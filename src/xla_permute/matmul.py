@@ -163,8 +163,8 @@ def all_gather_matmul(
         backend: permute backend, as in :func:`~xla_permute.permute.collective_permute`.
         chunks: send each x block as this many chunks along ``dim`` (a divisor of ``m``), one
             chunk round the whole ring before the next: a rank holds two chunks instead of two
-            blocks, for ``chunks`` times the permutes (each paying its latency;
-            :func:`xla_permute.cost.chunk_overhead`). The backward streams x in chunks too.
+            blocks, for ``chunks`` times the permutes (each paying its latency; tutorial 06
+            prices it). The backward streams x in chunks too.
 
     Returns:
         ``[..., N*m, F]`` (a tuple of them for a list of weights): block ``j`` along ``dim`` is

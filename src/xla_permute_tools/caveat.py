@@ -89,7 +89,7 @@ def _link(url: str) -> str:
 def caveat_rows(
     selected: Sequence[Caveat], columns: Sequence[str] = ("severity", "id", "summary")
 ) -> tuple[list[str], list[list[str]]]:
-    """The column names and one row per caveat of the given :class:`Caveat` fields (``id``
+    """The column names and one row per caveat of the given :class:`~xla_permute_tools.catalog.Caveat` fields (``id``
     as code, ``sources`` as Markdown links); a notebook shows them with
     ``figures.table(*caveat_rows(selected, columns))``.
 

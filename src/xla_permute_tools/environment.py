@@ -21,7 +21,7 @@ __all__ = ["CollectiveSignature", "Environment", "collective_signatures", "detec
 
 @dataclass(frozen=True)
 class Environment:
-    """What :func:`detect` found.
+    """What :func:`~xla_permute_tools.environment.detect` found.
 
     ``device_count`` is the runtime's count when the XLA runtime is running in this process,
     else what the configuration implies (``CPU_NUM_DEVICES``, TPU chips on the PCI bus,

@@ -41,7 +41,7 @@ class CommBackend:
     """The interface (see the module docstring). Subclasses implement every method."""
 
     name: str = "?"
-    #: The device type the hardware rules apply to (:mod:`xla_permute.hardware.rules`).
+    #: The device type the hardware rules apply to (:mod:`xla_permute.hardware`).
     device_type: str = "CPU"
     #: True when ops run as called, so in-place writes are fine; False when lazy (XLA), where
     #: every rank builds a traced program alike.

@@ -114,7 +114,7 @@ def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBacke
 
 @dataclass(frozen=True)
 class Ring:
-    """This rank's ring, built once at an op's boundary (:meth:`build`): the hops send
+    """This rank's ring, built once at an op's boundary (``Ring.build``): the hops send
     without re-checking.
 
     ``size`` ranks, this rank at ``position``, ``groups`` checked (None: all ranks).

@@ -1,7 +1,7 @@
 """Live output of the mesh: every rank's lines, prefixed by its rank, shown as they are written.
 
 In the device process, :func:`install` makes ``sys.stdout`` and ``sys.stderr`` put
-``[rank r] `` before each line a rank's thread writes (other threads' lines, and XLA's own
+``[rank r]`` and a space before each line a rank's thread writes (other threads' lines, and XLA's own
 logs written to the file descriptor, pass unchanged). In the calling process, :func:`relay`
 copies the device process's output to this process's from the calling thread (so that a
 notebook shows it in the running cell) and keeps the tail of stderr, which

@@ -2,8 +2,9 @@
 
 * :class:`SequenceParallelMLP`: column-parallel, activation, row-parallel.
 * :class:`GatedMLP`: ``down(activation(gate(x), up(x)))``, gate and up on one all-gather ring
-  (x travels once): SwiGLU (:func:`swiglu`) or the PoC's :func:`relu_product`. The layers,
-their ``strategy`` and their backward: :mod:`xla_permute.tensor_parallel.layers`.
+  (x travels once): SwiGLU (:func:`swiglu`) or the PoC's :func:`relu_product`.
+
+The layers, their ``strategy`` and their backward: :mod:`xla_permute.tensor_parallel.layers`.
 """
 
 from __future__ import annotations
