@@ -116,7 +116,8 @@ nitpick_ignore_regex = [
     ("py:.*", r"(torch|torch_xla|pathlib|collections|typing|argparse|subprocess|fractions|os)\b.*"),
     ("py:.*", r"(nn|nbclient|numpy|matplotlib|cloudpickle)\b.*"),
     ("py:.*", r"(Path|Tensor|Callable|Sequence|Any|NotebookNode|Module|Figure|Self)"),
-    ("py:.*", r"(Groups|GroupsLike|Pairs|PairsLike|Pair|Backend|Act|Gate|Tick|MatmulOp|Layout|Strategy|PositionFn)"),
+    ("py:.*", r"(Groups|GroupsLike|Pairs|PairsLike|Pair|Backend|Tick|MatmulOp|Layout|Strategy)"),
+    ("py:.*", r"(PositionFn|Act|Gate)"),
 ]
 
 

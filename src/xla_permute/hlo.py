@@ -272,7 +272,8 @@ def trace(tensors: object) -> str:
 
 @contextmanager
 def tracing() -> Iterator[None]:
-    """Trace collectives that cannot run here, to read their HLO with :func:`~xla_permute.hlo.trace`.
+    """Trace collectives that cannot run here, to read their HLO with
+    :func:`~xla_permute.hlo.trace`.
 
     The native backend (``xm.collective_permute``) cannot run on the CPU mesh, so the ops of this
     package refuse it there, except inside this block: the caller promises to trace the tensors

@@ -89,9 +89,9 @@ def _link(url: str) -> str:
 def caveat_rows(
     selected: Sequence[Caveat], columns: Sequence[str] = ("severity", "id", "summary")
 ) -> tuple[list[str], list[list[str]]]:
-    """The column names and one row per caveat of the given :class:`~xla_permute_tools.catalog.Caveat` fields (``id``
-    as code, ``sources`` as Markdown links); a notebook shows them with
-    ``figures.table(*caveat_rows(selected, columns))``.
+    """The column names and one row per caveat of the given
+    :class:`~xla_permute_tools.catalog.Caveat` fields (``id`` as code, ``sources`` as
+    Markdown links); a notebook shows them with ``figures.table(*caveat_rows(selected, columns))``.
 
     >>> from xla_permute_tools.catalog import caveats
     >>> names, rows = caveat_rows(caveats("CUDA")[:1])

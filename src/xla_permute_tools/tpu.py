@@ -203,7 +203,8 @@ def recipe_problems(device_type: str, environ: Mapping[str, str] | None = None) 
 
 def warn_recipe_incomplete(device_type: str, environ: Mapping[str, str] | None = None) -> None:
     """Warn once per process (:class:`~xla_permute.hardware.HardwareWarning`) when the
-    ``"xla"`` strategy's environment recipe is incomplete (:func:`~xla_permute_tools.tpu.recipe_problems`)."""
+    ``"xla"`` strategy's environment recipe is incomplete
+    (:func:`~xla_permute_tools.tpu.recipe_problems`)."""
     problems = recipe_problems(device_type, environ)
     with _WARNED_LOCK:
         if not problems or _WARNED:

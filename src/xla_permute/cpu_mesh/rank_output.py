@@ -1,10 +1,10 @@
 """Live output of the mesh: every rank's lines, prefixed by its rank, shown as they are written.
 
 In the device process, :func:`install` makes ``sys.stdout`` and ``sys.stderr`` put
-``[rank r]`` and a space before each line a rank's thread writes (other threads' lines, and XLA's own
-logs written to the file descriptor, pass unchanged). In the calling process, :func:`relay`
-copies the device process's output to this process's from the calling thread (so that a
-notebook shows it in the running cell) and keeps the tail of stderr, which
+``[rank r]`` and a space before each line a rank's thread writes (other threads' lines, and
+XLA's own logs written to the file descriptor, pass unchanged). In the calling process,
+:func:`relay` copies the device process's output to this process's from the calling thread
+(so that a notebook shows it in the running cell) and keeps the tail of stderr, which
 :class:`~xla_permute.MeshError` quotes and diagnoses. XLA:CPU's lines about a slow rendezvous
 ("... may be stuck", then "Thread is unstuck!", common on a loaded machine) go to the tail only.
 

@@ -70,8 +70,9 @@ def kv_head_groups(
 
 class ParallelAttention(nn.Module):
     """Multi-head attention with its heads split over ranks (module docstring), built by
-    ``ParallelAttention.from_linears``. ``forward(x)`` returns ``y``; with ``returns_weights=True`` (in a
-    Hugging Face attention's place) ``(y, None)``, ignoring that attention's keyword arguments.
+    ``ParallelAttention.from_linears``. ``forward(x)`` returns ``y``; with
+    ``returns_weights=True`` (in a Hugging Face attention's place) ``(y, None)``, ignoring
+    that attention's keyword arguments.
     """
 
     def __init__(
