@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo test docs browser docs-check lint bench doctor clean
+.PHONY: demo test test-live docs browser docs-check lint bench doctor clean
 
 # Debian packages for the browser check (installed by docs-check when missing).
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
@@ -16,8 +16,22 @@ SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet uv==0.13.9
-	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e '.[test,docs]'
+	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e '.[xla,test,docs]'
 	touch $(STAMP)
+
+# The second lane's environment: the newest torch the package registry serves here, without
+# torch_xla (the package's own dependencies leave that torch alone).
+LIVE_TORCH ?= 2.14.1
+LIVE := .venv-live
+LIVE_STAMP := $(LIVE)/.installed-$(LIVE_TORCH)
+
+$(LIVE_STAMP): pyproject.toml
+	test -x $(LIVE)/bin/python || $(PYTHON) -m venv $(LIVE)
+	$(LIVE)/bin/python -m pip install --quiet uv==0.13.9
+	$(LIVE)/bin/uv pip install --quiet --python $(LIVE)/bin/python --compile-bytecode \
+	    'torch==$(LIVE_TORCH)' -e '.[test]'
+	$(LIVE)/bin/python -c "import importlib.util as u; assert not u.find_spec('torch_xla')"
+	touch $(LIVE_STAMP)
 
 demo: $(STAMP)
 	$(BIN)/python -m xla_permute demo

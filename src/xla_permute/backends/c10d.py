@@ -1,37 +1,59 @@
 """The ``c10d`` backend: every op of this package on ``torch.distributed`` process groups.
 
-Real processes (``torchrun``, ``init_process_group``), real point-to-point: a permute is one
-``dist.batch_isend_irecv`` of this rank's sends and receives, **asynchronous**: ``send``
-returns a handle as soon as the transfers are posted, and ``handle.wait()`` blocks at first
-use. The rings of this package (collective matmul, ring attention) wait for a block only at
-the next hop, so each hop's matmul runs while the next block is in flight, eagerly, with no
-compiler in between (on XLA the compiler's scheduler decides the overlap instead).
+Real processes (``torchrun``, ``init_process_group``), any c10d backend. A permute is sent by
+one ``batch_isend_irecv`` where the group has send/recv (gloo, NCCL, MPI, UCC), else by one
+``all_to_all_single`` with one non-zero split per rank (TorchTPU's ``tpu_dist``, any other
+backend), or as asked (:func:`permute_route`). Both are **asynchronous**: ``send`` returns a
+handle once the transfers are posted, and ``handle.wait()`` blocks at first use, so each hop
+of a ring (collective matmul, ring attention) computes while the next block is in flight.
+All-gather and reduce-scatter are ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on
+one ``dist.new_group`` per group (made on first use by every rank alike, cached, with the
+default group's timeout); permutes use global ranks on the default group.
 
-* all-gather and reduce-scatter: ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` (sum)
-  on the process group of the caller's ``groups``, in the group's listed order;
-* ``groups``: one ``dist.new_group`` per group, created on first use by every rank in the
-  same order (the ops are SPMD: every rank calls them alike) and cached per groups tuple, with
-  the default group's timeout. Point-to-point uses global ranks on the default group;
-* this rank's place: ``dist.get_rank()`` / ``dist.get_world_size()``;
-* the debug mode's agreement check: an all-gather of one int32 row per rank.
-
-Tensors: CPU tensors with gloo (tested here, ``tests/test_distributed.py``); CUDA tensors with
-NCCL are the same code, not tested here. A hung or dead peer surfaces as the process group's
-timeout (``init_process_group(timeout=...)``), an error on the waiting rank, not a hang.
+Tested on CPU tensors with gloo, both routes (``tests/test_distributed.py``); CUDA tensors with
+NCCL and other backends' devices are the same code. A hung or dead peer surfaces as the
+process group's timeout (``init_process_group(timeout=...)``) on the waiting rank, not a hang.
 """
 
 from __future__ import annotations
 
+import contextlib
 import weakref
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Literal
 
 import torch
 
 from xla_permute.backends.base import CommBackend, Handle, Ready
 from xla_permute.pairs import Groups, Pairs
 
-__all__ = ["c10d_backend"]
+__all__ = ["ROUTES", "c10d_backend", "permute_route", "route_of"]
+
+Route = Literal["auto", "p2p", "all_to_all"]
+ROUTES: tuple[str, ...] = ("auto", "p2p", "all_to_all")
+P2P_BACKENDS = frozenset({"gloo", "nccl", "mpi", "ucc"})  # with send/recv: "auto" uses p2p
+_route = ["auto"]
+
+
+@contextlib.contextmanager
+def permute_route(route: Route) -> Iterator[None]:
+    """Inside the block the ``c10d`` permutes take ``route`` (call it on every rank alike);
+    ``"auto"``, the default, is ``"p2p"`` on :data:`P2P_BACKENDS`, else ``"all_to_all"``."""
+    if route not in ROUTES:
+        raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+    before, _route[0] = _route[0], route
+    try:
+        yield
+    finally:
+        _route[0] = before
+
+
+def route_of(pg_backend: str) -> str:
+    """The route of a permute on a group whose backend is ``pg_backend`` (``dist.get_backend()``:
+    ``"gloo"``, ``"cpu:gloo,cuda:nccl"``, ``"tpu_dist"``)."""
+    names = {part.rpartition(":")[2] for part in pg_backend.split(",")}
+    auto = "p2p" if names <= P2P_BACKENDS else "all_to_all"
+    return auto if _route[0] == "auto" else _route[0]
 
 
 class _Pending:
@@ -152,6 +174,8 @@ class _C10d(CommBackend):
         x = x.contiguous()
         receives = any(t == rank for _, t in pairs)
         out = torch.empty_like(x) if receives else torch.zeros_like(x)  # no source: zeros
+        if route_of(dist.get_backend()) == "all_to_all":
+            return self._all_to_all(x, out, pairs)
         ops = []
         for source, target in pairs:
             if source == rank and target == rank:
@@ -162,6 +186,20 @@ class _C10d(CommBackend):
                 ops.append(dist.P2POp(dist.irecv, out, source, tag=tag))
         works = dist.batch_isend_irecv(ops) if ops else []
         return _Pending(out, list(works), x)
+
+    def _all_to_all(self, x: torch.Tensor, out: torch.Tensor, pairs: Pairs) -> Handle:
+        """One ``all_to_all_single`` on the default group (every rank calls it, one in no pair
+        with no non-zero split)."""
+        dist = _dist()
+        rank, n = dist.get_rank(), dist.get_world_size()
+        sends, receives = [0] * n, [0] * n
+        for source, target in pairs:
+            sends[target] += x.numel() if source == rank else 0
+            receives[source] += x.numel() if target == rank else 0
+        inbox = out.view(-1) if any(receives) else out.new_empty(0)
+        outbox = x.view(-1) if any(sends) else x.new_empty(0)
+        work = dist.all_to_all_single(inbox, outbox, receives, sends, async_op=True)
+        return _Pending(out, [work], x)
 
     def all_gather(self, x: torch.Tensor, dim: int, groups: Groups) -> torch.Tensor:
         dist = _dist()

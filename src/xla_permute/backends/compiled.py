@@ -27,15 +27,14 @@ def _in_compiled_frame() -> bool:
 
 
 def check_not_compiling(op: str | None = None) -> None:
-    """Raise :class:`CompileError` when called under ``torch.compile``.
+    """Raise :class:`CompileError` under ``torch.compile``, on every rank before any collective.
 
     The ops keep per-rank state on the host (channel ids, the collective token, the agreement
-    checks) that Dynamo cannot trace: under ``torch.compile(backend="openxla")`` the mesh aborted
-    or every rank failed with "Failed to get computation by hash", also with the op excluded by
-    ``torch.compiler.disable``. Dynamo either traces the call (``torch.compiler.is_compiling()``)
-    or, after a graph break, runs it from the bytecode it rewrote, whose frames name its
-    ``__compiled_fn_*`` or ``torch_dynamo_resume_in_*`` functions; both are refused. Every rank
-    runs the same code, so every rank raises, before any collective.
+    checks, the c10d handles in flight) that Dynamo cannot trace: under
+    ``torch.compile(backend="openxla")`` the mesh aborted or every rank failed with "Failed to
+    get computation by hash", also with the op under ``torch.compiler.disable``. Dynamo either
+    traces the call (``torch.compiler.is_compiling()``) or, after a graph break, runs it from
+    rewritten bytecode whose frames name ``__compiled_fn_*`` or ``torch_dynamo_resume_in_*``.
     """
     import torch
 

@@ -1,31 +1,20 @@
-"""The communication backends behind every op, and the ring the ops share.
+"""Choosing a backend (:func:`get_backend`), checking a tensor's place, and the one
+:class:`Ring` every ring of the package drives.
 
-Every op of this package (permute, all-gather, reduce-scatter, collective matmul, ring
-attention, stage shift, pipeline) talks to the devices through one small interface,
-:class:`CommBackend`, with three implementations:
-
-=============  ========================================  ==================================
-name           what it issues                            where
-=============  ========================================  ==================================
-``native``     ``xm.collective_permute`` (one HLO        TPU, Neuron (torch_xla)
-               collective-permute)
-``emulated``   a channel-id all-gather and a per-rank    the XLA CPU mesh (torch_xla)
-               select (moves N times a permute's bytes)
-``c10d``       ``torch.distributed``: point-to-point     real processes: gloo on CPU
-               ``batch_isend_irecv``, asynchronous       tensors (tested here), NCCL on
-                                                         CUDA tensors (same code, untested)
-=============  ========================================  ==================================
+=============  ==============================================  ============================
+name           what a permute issues                           where
+=============  ==============================================  ============================
+``native``     ``xm.collective_permute`` (one HLO op)          TPU, Neuron (torch_xla)
+``emulated``   a channel-id all-gather and a per-rank select   the XLA CPU mesh (torch_xla)
+``c10d``       ``batch_isend_irecv`` or ``all_to_all_single``  any process group (gloo,
+                                                               NCCL, TorchTPU, Neuron)
+=============  ==============================================  ============================
 
 ``backend="auto"`` picks ``c10d`` when ``torch.distributed`` is initialized and the tensor is
-not an XLA tensor; otherwise ``emulated`` on the XLA CPU backend and ``native`` elsewhere
-(:func:`get_backend`). The XLA implementations live in :mod:`xla_permute.backends.xla` (the
-one home of the torch_xla glue, which imports torch_xla only when called), the
-torch.distributed one in :mod:`xla_permute.backends.c10d`; the interface itself (``send``
-giving a :class:`Handle`, ``all_gather``, ``reduce_scatter``, ``position``, ``gather_rows``)
-is in :mod:`xla_permute.backends.base`. Its methods are raw (no autograd, no checks): the ops
-check their arguments once at their boundary and then drive a :class:`Ring` (this rank's
-place, its neighbours' pairs precomputed, a send that is not re-checked per hop); the autograd
-of each op is its own (the permute's backward is the inverse permute, on every backend).
+not an XLA tensor; otherwise ``emulated`` on the XLA CPU backend and ``native`` elsewhere. The
+interface's methods are raw (no autograd, no checks): the ops check their arguments once at
+their boundary, then drive a :class:`Ring` (this rank's place, its neighbours' pairs
+precomputed); each op's autograd is its own (a permute's backward is the inverse permute).
 """
 
 from __future__ import annotations
@@ -39,7 +28,7 @@ import torch
 from xla_permute.backends.base import CommBackend, Handle, Ready
 from xla_permute.backends.c10d import c10d_backend
 from xla_permute.backends.compiled import check_not_compiling
-from xla_permute.backends.xla import check_xla_tensor, xla_backend
+from xla_permute.backends.xla import check_xla_tensor, need_torch_xla, xla_backend
 from xla_permute.pairs import Groups, GroupsLike, Pairs, global_pairs, ring_pairs
 
 __all__ = [
@@ -105,6 +94,7 @@ def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBacke
         )
     xla = backend in ("native", "emulated") or (backend == "auto" and not ready)
     if xla:  # before get_backend, which starts the XLA runtime
+        need_torch_xla(f"backend={backend!r} outside a torch.distributed process group")
         check_xla_tensor(x, name)
     chosen = get_backend(backend, x)
     if not xla:

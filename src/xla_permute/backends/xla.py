@@ -1,26 +1,26 @@
 """The torch_xla glue: the ``native`` and ``emulated`` backends (:mod:`xla_permute.backends`).
 
-Everything this package asks of ``torch_xla`` at run time is here (channel ids come from
-:mod:`xla_permute.backends.channels`, the tracing state from
-:mod:`xla_permute.backends.tracing`): this rank's place (``xr.world_size()``,
-``xr.global_ordinal()``),
-the device checks, the permute, the all-gather and reduce-scatter in the form that runs on
-every device (``pin_layout=False``, a channel id, ``use_global_device_ids=True``), the debug
-mode's agreement all-gather and the optimisation barrier. torch_xla is imported inside the
-functions, so importing this module does not import it.
+Everything this package asks of torch_xla at run time is here (channel ids:
+:mod:`~xla_permute.backends.channels`, tracing state: :mod:`~xla_permute.backends.tracing`):
+this rank's place, the device checks, the permute, the all-gather and reduce-scatter in the
+form that runs on every device (``pin_layout=False``, a channel id,
+``use_global_device_ids=True``), the agreement all-gather and the optimisation barrier.
+torch_xla, the ``xla`` extra, is imported inside the functions; where it is not installed,
+:func:`need_torch_xla` says so at once.
 
 * ``native``: ``xm.collective_permute``, one HLO collective-permute (TPU, Neuron). On the CPU
-  mesh it cannot run (no channel id: XLA:CPU aborts in a rendezvous); it is only traced,
-  inside :func:`xla_permute.hlo.tracing`.
+  mesh it cannot run (no channel id: XLA:CPU aborts in a rendezvous), only be traced, inside
+  :func:`xla_permute.hlo.tracing`.
 * ``emulated``: a channel-id all-gather of every rank's tensor and a per-rank select of its
-  source (zeros if none): N times the bytes of a permute, but it runs on the CPU mesh.
+  source (zeros if none): N times a permute's bytes, but it runs on the CPU mesh.
 
 Both are lazy: ``send`` returns a ready handle on the traced result, and the XLA compiler
-(not the Python order) decides what overlaps what.
+decides what overlaps what.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Sequence
 
 import torch
@@ -32,11 +32,27 @@ from xla_permute.hardware import check_device_pairs, check_not_spmd
 from xla_permute.pairs import Groups, Pairs, source_of
 
 __all__ = [
+    "HAS_TORCH_XLA",
     "check_native_runs_here",
     "check_xla_tensor",
     "device_error",
+    "need_torch_xla",
     "xla_backend",
 ]
+
+HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
+
+
+def need_torch_xla(what: str) -> None:
+    """Raise ModuleNotFoundError naming the ``xla`` extra unless torch_xla is installed."""
+    if not HAS_TORCH_XLA:
+        raise ModuleNotFoundError(
+            f"{what} needs torch_xla, which is not installed: pip install 'xla-permute[xla]' "
+            f"(torch_xla 2.9.0, with torch 2.9.0). Without it every op runs on a "
+            f"torch.distributed process group (backend='c10d'): call "
+            f"torch.distributed.init_process_group(...) first",
+            name="torch_xla",
+        )
 
 
 def check_xla_tensor(x: object, name: str = "x") -> torch.Tensor:
@@ -219,6 +235,7 @@ _NATIVE, _EMULATED = _Native(), _Emulated()
 
 def xla_backend(name: str | None = None) -> CommBackend:
     """``"native"`` or ``"emulated"``; None: emulated on the CPU backend, native elsewhere."""
+    need_torch_xla(f"backend={name or 'auto'!r} outside a torch.distributed process group")
     if name is None:
         name = "emulated" if _device_type() == "CPU" else "native"
     return {"native": _NATIVE, "emulated": _EMULATED}[name]

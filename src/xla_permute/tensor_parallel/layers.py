@@ -38,6 +38,7 @@ from torch import nn
 from typing_extensions import Self
 
 from xla_permute.backends.select import BACKENDS, distributed_ready, get_backend
+from xla_permute.backends.xla import need_torch_xla
 from xla_permute.collectives import all_gather, all_reduce, sum_gradients
 from xla_permute.matmul import (
     all_gather_matmul,
@@ -65,6 +66,7 @@ def _place(
         live = distributed_ready()
     else:  # asking a runtime that has not started would start it (and break run_on_mesh)
         if None in (world_size, rank):
+            need_torch_xla(f"{what} without world_size= and rank=")
             import torch_xla  # noqa: F401 (given both, a runtime runs only if it is imported)
         xla = sys.modules.get("torch_xla")
         live = xla is not None and xla._XLAC._xla_runtime_is_initialized()
