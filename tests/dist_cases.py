@@ -1,7 +1,8 @@
 """The cases of tests/test_distributed.py: every op on torch.distributed (c10d, gloo, CPU).
 
 Run by ``torchrun`` (``python -m torch.distributed.run``), one process per rank:
-``dist_cases.py OUT_DIR`` runs every case on this rank and saves ``OUT_DIR/rank{r}.pt``;
+``dist_cases.py OUT_DIR [ROUTE]`` runs every case on this rank, its permutes sent by ``ROUTE``
+(:func:`xla_permute.backends.c10d.permute_route`), and saves ``OUT_DIR/rank{r}.pt``;
 at 2 processes it ends with a hang: rank 1 never joins one more op, and rank 0 must fail
 within the process group's timeout (shortened to 2 s for it) and write ``OUT_DIR/hang.txt``.
 The test module computes the expected values from the same data with
@@ -26,11 +27,13 @@ from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
+import permute_cases as pc
 import torch
 import torch.nn.functional as F
 
 import xla_permute as xp
 from xla_permute import reference as ref
+from xla_permute.backends.c10d import permute_route, route_of
 
 Tensors = dict[str, torch.Tensor]
 TIMEOUT = timedelta(seconds=30)  # a peer that never comes: an error after this, not a hang
@@ -117,6 +120,33 @@ _permute_case("permute open chain", lambda n: [(r, r + 1) for r in range(n - 1)]
 _permute_case("permute async", lambda n: xp.ring_pairs(n), use_async=True)
 _permute_case("permute self and swap", lambda n: [(0, 1), (1, 0)] + [(r, r) for r in range(2, n)])
 _permute_case("permute in groups", lambda n: [(0, 1)], groups_of=groups_for)
+
+
+@case("permute empty tensor")
+def _():
+    def inputs(n):
+        return {"x": torch.ones(n, 0, 3)}
+
+    def op(m, r, n):
+        return (xp.collective_permute(m["x"], xp.ring_pairs(n)),)
+
+    return inputs, op, lambda s, n: (ref.permute(s["x"], xp.ring_pairs(n)),)
+
+
+def _mesh_permute_case(name: str, c: dict[str, Any]) -> None:
+    """A case of the mesh's permute tests (tests/permute_cases.py, 4 ranks), on the processes."""
+    pairs, groups = [tuple(p) for p in c["pairs"]], c["groups"]
+
+    @case(f"permute {name}", min_n=4, grads=c["xs"].dtype.is_floating_point)
+    def _():
+        def op(m, r, n):
+            return (xp.collective_permute(m["x"], pairs, groups=groups),)
+
+        return (lambda n: {"x": c["xs"]}), op, lambda s, n: (ref.permute(s["x"], pairs, groups),)
+
+
+for _name, _c in {**pc.classic_cases(), **dict(enumerate(pc.generated_cases()))}.items():
+    _mesh_permute_case(str(_name), _c)
 
 
 def _shift_case(offset: int, wrap: bool, grouped: bool = False):
@@ -477,13 +507,21 @@ def expect_case(name: str, c: Case, n: int) -> list[Tensors]:
     return per_rank
 
 
-def main(out_dir: str) -> None:
+def main(out_dir: str, route: str = "auto") -> None:
     import torch.distributed as dist
 
     dist.init_process_group("gloo", timeout=TIMEOUT)
     torch.set_num_threads(1)
+    with permute_route(route):
+        run_all(out_dir, route)
+
+
+def run_all(out_dir: str, route: str) -> None:
+    import torch.distributed as dist
+
     r, n = dist.get_rank(), dist.get_world_size()
     results: dict[str, Any] = {"cases": {}, "errors": {}, "layers": {}, "seconds": {}}
+    results["route"] = route_of(dist.get_backend())  # the permutes' route on this group
     for name, c in CASES.items():
         if n >= c.min_n:
             start = time.perf_counter()

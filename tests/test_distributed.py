@@ -1,7 +1,8 @@
 """Every op on torch.distributed: real processes (torchrun), gloo, CPU tensors, the c10d backend.
 
-One launch per world size (2 and 4 processes) runs every case of tests/dist_cases.py on every
-rank: collective_permute (sync and ``async_op``), stage_shift, pipeline_forward (one
+One launch per world size (2 and 4 processes), and one more at 4 with the permutes sent by
+``all_to_all_single`` instead of ``batch_isend_irecv``, runs every case of tests/dist_cases.py
+on every rank: collective_permute (sync and ``async_op``), stage_shift, pipeline_forward (one
 pipeline, and two side by side at N=4), all_gather, reduce_scatter, sum_gradients, both
 collective matmuls (uni/bi, several weights, ``reduce_dtype``, groups listed out
 of order) and their baselines, ring attention (causal, zigzag, grouped-query,
@@ -34,13 +35,22 @@ def torchrun(n: int, out: Path, *args: str, timeout: float = LAUNCH_TIMEOUT):
     return launch_torchrun(SCRIPT, n, str(out), *args, timeout=timeout, env=env)
 
 
-@pytest.fixture(scope="module", params=[2, 4], ids=lambda n: f"N={n}")
+#: (processes, the permutes' route): gloo has send/recv, so "auto" is point-to-point; at N=4
+#: the same cases again by one all_to_all_single per permute (the route without send/recv).
+LAUNCHES = [(2, "auto"), (4, "auto"), (4, "all_to_all")]
+
+
+@pytest.fixture(
+    scope="module", params=LAUNCHES, ids=lambda p: f"N={p[0]}" + "-a2a" * (p[1] != "auto")
+)
 def launch(request, tmp_path_factory):
-    n = request.param
+    n, route = request.param if isinstance(request.param, tuple) else (request.param, "auto")
     out = tmp_path_factory.mktemp(f"dist{n}")
-    code, output, _ = torchrun(n, out)
+    code, output, _ = torchrun(n, out, route)
     assert code == 0, output[-4000:]
     ranks = [torch.load(out / f"rank{r}.pt", weights_only=False) for r in range(n)]
+    want = "p2p" if route == "auto" else route
+    assert [rank["route"] for rank in ranks] == [want] * n
     if n == 2:
         seconds, message = (out / "hang.txt").read_text().split("\n", 1)
         ranks[0]["hang"] = float(seconds), message

@@ -1,9 +1,10 @@
 """Every schedule PyTorch also has, against PyTorch's own order of work, rank by rank.
 
 The oracle: ``torch.distributed.pipelining._schedule_visualizer.get_schedule_ops(name, p, m,
-v)`` (PyTorch 2.9; no process group needed), each rank's list of actions with the ``None``
-(idle) slots dropped, beside each rank's column of :func:`xla_permute.make_schedule` with the
-idle ticks dropped, over p in {2, 4, 8} and m in {p, 2p, 4p}. Identical for interleaved 1F1B,
+v)`` (PyTorch 2.9, and the newest in ``make test-live``; no process group needed), each rank's
+list of actions with the ``None`` (idle) slots and newer PyTorch's ``REDUCE_GRAD`` dropped,
+beside each rank's column of :func:`xla_permute.make_schedule` with the idle ticks dropped,
+over p in {2, 4, 8} and m in {p, 2p, 4p}. Identical for interleaved 1F1B,
 Looped BFS, interleaved zero bubble, ZB-V and DualPipeV; two differences, each tested here:
 
 * GPipe: PyTorch runs the backwards in micro-batch order, this project last micro-batch first
@@ -56,7 +57,16 @@ def torch_orders(name: str, p: int, m: int) -> list[list[str]]:
             return "(" + ";".join(str(a) for a in action.sub_actions) + ")"
         return str(action)
 
-    return [[text(a) for a in rank if a is not None] for rank in ops]
+    return [_without_reduce_grad([text(a) for a in rank if a is not None]) for rank in ops]
+
+
+def _without_reduce_grad(rank: list[str]) -> list[str]:
+    """A rank's actions without PyTorch's ``REDUCE_GRAD`` (newer PyTorch, 2.14 here, ends a
+    stage's work with the data-parallel gradient reduction; this project's schedules leave it
+    to the caller), which may stand only at the end."""
+    kept = [a for a in rank if not a.endswith("REDUCE_GRAD")]
+    assert all(a.endswith("REDUCE_GRAD") for a in rank[len(kept) :]), rank
+    return kept
 
 
 def our_orders(name: str, p: int, m: int) -> list[list[str]]:
