@@ -47,6 +47,14 @@ test: $(STAMP)
 	    --ignore tests/test_reliability.py
 	$(BIN)/python -m pytest tutorials docs/index.md tests/test_reliability.py
 
+# The second lane: the newest torch without torch_xla ($(LIVE)) runs every test and page that
+# does not need torch_xla (the marker xla, conftest.py: the CPU mesh, XLA tensors, the docs
+# build), on the same two workers.
+test-live: $(LIVE_STAMP)
+	$(LIVE)/bin/python -m pytest -n 2 --dist loadfile -m 'not xla' tests src/xla_permute \
+	    src/xla_permute_tools
+	$(LIVE)/bin/python -m pytest -m 'not xla' tutorials docs/index.md
+
 # Pages it executes launch their meshes from the warm process, as the tests do (conftest.py).
 docs: $(STAMP)
 	XLA_PERMUTE_LAUNCHER=$${XLA_PERMUTE_LAUNCHER-xla_permute_tools.warm:start_process} \

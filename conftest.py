@@ -10,6 +10,7 @@ then shows these outputs instead of executing the tutorial a second time.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -43,6 +44,68 @@ TUTORIAL_ENV.setdefault("PJRT_DEVICE", "CPU")
 # 0.5 s a launch instead of 4 s): the workshop's starter (xla_permute.cpu_mesh.launch.LAUNCHER_ENV).
 for _env in (os.environ, TUTORIAL_ENV):
     _env.setdefault("XLA_PERMUTE_LAUNCHER", "xla_permute_tools.warm:start_process")
+
+#: What needs torch_xla (the ``xla`` extra) gets the marker ``xla``; ``make test-live`` (torch
+#: without torch_xla) deselects it. The test modules under "*" need it whole; of the others, the
+#: tests whose names (after ``test_``) start as listed. Why: they run on the CPU mesh
+#: (``run_on_mesh``: XLA:CPU devices), read XLA tensors' HLO, or read torch_xla's own
+#: configuration (test_hardware, test_pipeline's send/recv path, the workshop's environment
+#: doctests); test_docs builds the pages, which run the mesh.
+NEEDS_TORCH_XLA = {
+    "*": "bench_attention collectives debug_mesh docs matmul matmul_fused matmul_groups "
+    "mesh_programs permute pipeline_step reliability tracing training training_probes warm",
+    "attention": "bad_inputs_raise_before empty_inputs_issue forward_and_backward "
+    "groups_are_rings native_hlo",
+    "bench": "all_gather_matmul_sends emulated_results matmul_reduce_scatter_sends memory_ "
+    "partial_sum_bytes report_labels rings_at_their smoke the_token trace_and_compile",
+    "debug_default": "disagreement_raises local_mistakes ranks_that_agree the_mesh_turns",
+    "hardware": "collective_permute_consults collective_signatures detect_ the_xla_backends_refuse",
+    "launch": "closure_lambda every_op_reports hang_is_killed mesh_error_names "
+    "mismatched_collective rank_error_names result_that_cannot results_come_back "
+    "script_whose single_device_mesh the_launcher_var xla_tensor",
+    "layers": "layers_run_every_collective training_step_matches",
+    "mesh2d": "all_reduce mesh2d_coords_on_the_mesh ranks_that_disagree",
+    "pairs": "x_not_on_an_xla_device",
+    "pipeline": "bad_inputs_raise_in_rank forward_and_backward send_recv_step "
+    "sendrecv_code_path stage_shift_step",
+    "plan": "eight_ranks every_matmul_of_a_block the_plan_equals the_sharded_loss "
+    "tp_sp_and_ring_attention",
+    "selftest": "demo_runs_every_check",
+    "shift": "bad_inputs_raise_in_rank shift_and_its_backward",
+    "strategy": "xla_strategy_on_the_cpu_mesh",
+}
+#: Doctests that run the mesh or read torch_xla, by their module.
+XLA_DOCTESTS = ("xla_permute.cpu_mesh", "xla_permute_tools.environment")
+HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
+# Modules that import torch_xla at their top are not collected without it (no doctest to run).
+collect_ignore = (
+    []
+    if HAS_TORCH_XLA
+    else ["src/xla_permute/cpu_mesh/device.py", "src/xla_permute/cpu_mesh/barrier.py"]
+)
+
+
+def needs_torch_xla(item: pytest.Item) -> bool:
+    """Whether ``item`` needs torch_xla: :data:`NEEDS_TORCH_XLA`, a doctest of
+    :data:`XLA_DOCTESTS`, or a cell of a page whose code runs the mesh or imports torch_xla."""
+    if isinstance(item, TutorialCell):
+        return item.parent.needs_torch_xla
+    if isinstance(item, pytest.DoctestItem):
+        return item.name.startswith(XLA_DOCTESTS)
+    module = item.path.stem.removeprefix("test_")
+    if item.path.parent.name != "tests":
+        return False
+    if module in NEEDS_TORCH_XLA["*"].split():
+        return True
+    names = tuple(NEEDS_TORCH_XLA.get(module, "").split())
+    return bool(names) and item.originalname.removeprefix("test_").startswith(names)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if needs_torch_xla(item):
+            item.add_marker(pytest.mark.xla)
+
 
 TUTORIALS = Path(__file__).parent / "tutorials"
 #: Executable pages outside tutorials/: the landing page's example runs as a test too.
@@ -82,6 +145,8 @@ class TutorialFile(pytest.File):
         self.runner: CellRunner | None = None
         self.failed_cell: str | None = None
         self.cells = code_cells(self.path)
+        code = "\n".join(cell.source for cell in self.cells)
+        self.needs_torch_xla = "torch_xla" in code or "run_on_mesh" in code
         for number, cell in enumerate(self.cells, start=1):
             yield TutorialCell.from_parent(
                 self,

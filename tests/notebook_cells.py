@@ -15,6 +15,7 @@ the docs build itself.
 from __future__ import annotations
 
 import copy
+import importlib.util
 import os
 import re
 import time
@@ -115,8 +116,13 @@ def excluded_cells(path: str | Path) -> list[int]:
 
 #: What a kernel started ahead of its notebook (:meth:`CellRunner.start`) runs before its first
 #: cell: the imports and the warm process of the mesh (``XLA_PERMUTE_LAUNCHER``) that the
-#: first cells would wait for otherwise. It leaves no name in the notebook's namespace.
-WARM_UP = "import xla_permute.cpu_mesh as _warm; _warm.run_on_mesh(int, n=1); del _warm"
+#: first cells would wait for otherwise. It leaves no name in the notebook's namespace. Without
+#: torch_xla (``make test-live``) it imports the package only.
+WARM_UP = (
+    "import xla_permute.cpu_mesh as _warm; _warm.run_on_mesh(int, n=1); del _warm"
+    if importlib.util.find_spec("torch_xla")
+    else "import xla_permute as _warm; del _warm"
+)
 
 
 class CellRunner:
