@@ -38,7 +38,8 @@ width (420 px), and fails when, on any page:
 
 and when the search page finds nothing for ``collective_permute``, or a search for
 ``all_gather_matmul`` lists the tests page or no API or tutorial page (:data:`SEARCHES`), or no
-page shows a rendered formula. Full-page screenshots of
+page shows a rendered formula, or the pipeline bubble calculator shows another bubble than
+its page asserts (:func:`check_calculator`). Full-page screenshots of
 each page at both widths go to ``--screenshots`` (a page taller than one PNG may be is cut into
 ``name.png``, ``name-2.png``, ...), and a screenshot set that does not cover the whole page
 fails the check. ``--self-test`` first checks pages made here to fail each check, and fails
@@ -668,6 +669,71 @@ def other_links(driver, root: Path) -> list[str]:
     ]
 
 
+#: The pipeline bubble calculator (``div#bubble-calculator``, on the schedules page): for each
+#: of these schedules at (ranks, micro-batches) it must show the bubble its page asserts.
+CALCULATOR_SCHEDULES = ("gpipe", "1f1b", "zbv", "dualpipev")
+CALCULATOR_SIZE = (4, 8)
+
+_CALCULATOR_JS = r"""
+const [name, ranks, micro] = arguments;
+const box = document.getElementById("bubble-calculator");
+const set = (choice, value) => {
+  const select = box.querySelector(`select[data-choice="${choice}"]`);
+  if (select) select.value = String(value);
+  return !!select && select.value === String(value);
+};
+if (!(set("schedule", name) && set("ranks", ranks) && set("micro-batches", micro))) {
+  return {error: `cannot choose ${name}, ${ranks} ranks, ${micro} micro-batches`};
+}
+box.querySelector("select").dispatchEvent(new Event("change", {bubbles: true}));
+const result = box.querySelector(".result");
+// The page's own figure: the "bubble" column of the last table before the calculator.
+let asserted = null;
+for (const table of document.querySelectorAll("article table")) {
+  if (!(table.compareDocumentPosition(box) & Node.DOCUMENT_POSITION_FOLLOWING)) continue;
+  const heads = Array.from(table.querySelectorAll("thead th")).map((th) => th.innerText.trim());
+  const col = heads.indexOf("bubble");
+  if (col < 0) continue;
+  asserted = null;
+  for (const tr of table.querySelectorAll("tbody tr")) {
+    const cells = Array.from(tr.children).map((td) => td.innerText.trim());
+    if (cells[0] === name) asserted = cells[col];
+  }
+}
+return {shown: result.dataset.bubble || "", text: result.innerText, asserted,
+        idle: Number(result.dataset.idle), drawn: box.querySelectorAll(".grid .idle").length};
+"""
+
+
+def check_calculator(driver, root: Path) -> list[str]:
+    """Problems unless exactly one page holds the bubble calculator and, for each of
+    :data:`CALCULATOR_SCHEDULES` at :data:`CALCULATOR_SIZE`, it shows the bubble of the
+    "bubble" column in the last table before it (the page's cell counts those from
+    ``xp.make_schedule`` and asserts them), and draws as many idle cells as it counts."""
+    found = [p for p in pages(root) if 'id="bubble-calculator"' in p.read_text(errors="replace")]
+    if len(found) != 1:
+        where = [str(p.relative_to(root)) for p in found]
+        return [f"the bubble calculator is on {len(found)} pages, not one: {where}"]
+    rel = found[0].relative_to(root)
+    _set_width(driver, WIDE)
+    driver.get(found[0].as_uri())
+    out = []
+    for name in CALCULATOR_SCHEDULES:
+        got = driver.execute_script(_CALCULATOR_JS, name, *CALCULATOR_SIZE)
+        case = f"{rel}: bubble calculator, {name} at {CALCULATOR_SIZE} (ranks, micro-batches)"
+        if "error" in got:
+            out.append(f"{case}: {got['error']}")
+        elif got["asserted"] is None:
+            out.append(f"{case}: no table with a 'bubble' column and a row {name!r} before it")
+        elif got["shown"] != got["asserted"] or got["shown"] not in got["text"]:
+            out.append(f"{case}: shows {got['text']!r}, the page asserts {got['asserted']!r}")
+        elif got["idle"] != got["drawn"]:
+            out.append(f"{case}: counts {got['idle']} idle cells, draws {got['drawn']}")
+        else:
+            print(f"calculator: {name} at {CALCULATOR_SIZE}: {got['shown']} as the page asserts")
+    return out
+
+
 def pages(root: Path) -> list[Path]:
     skip = {"search.html", "genindex.html", "py-modindex.html"}
     return sorted(
@@ -878,6 +944,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs.append(("search", partial(check_search, root=root)))
     jobs.append(("math", partial(check_math, root=root)))
     jobs.append(("links", partial(other_links, root=root)))
+    jobs.append(("calculator", partial(check_calculator, root=root)))
 
     drivers: queue.Queue = queue.Queue()
 
