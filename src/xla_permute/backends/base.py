@@ -1,10 +1,6 @@
-"""The interface every communication backend implements (:mod:`xla_permute.backends.select`).
-
-:class:`CommBackend` is what the ops of this package ask of the devices: a permute that can be
-waited on (:class:`Handle`), all-gather, reduce-scatter, this rank's place in its group, and
-the debug mode's agreement all-gather. The implementations (:mod:`xla_permute.backends.xla`,
-:mod:`xla_permute.backends.c10d`) import this module; :mod:`xla_permute.backends.select`
-chooses among them.
+"""The interface every communication backend implements (:class:`CommBackend`): a permute that
+can be waited on (:class:`Handle`), all-gather, reduce-scatter, this rank's place in its group
+and the debug mode's agreement all-gather; :mod:`xla_permute.backends.select` chooses one.
 """
 
 from __future__ import annotations

@@ -112,15 +112,11 @@ class _C10d(CommBackend):
                 f"move it with {name}.cpu()"
             )
         pg = dist.get_backend()
-        if pg == "nccl" and x.device.type != "cuda":
+        wants = {"nccl": "cuda", "gloo": "cpu"}.get(pg, x.device.type)
+        if x.device.type != wants:
             raise ValueError(
-                f"{name} is on {x.device}, but the process group's backend is nccl, which "
-                f"sends CUDA tensors; move it with {name}.cuda() (or use gloo for CPU tensors)"
-            )
-        if pg == "gloo" and x.device.type != "cpu":
-            raise ValueError(
-                f"{name} is on {x.device}, but the process group's backend is gloo here, which "
-                f"this package uses for CPU tensors; move it with {name}.cpu() (or use nccl)"
+                f"{name} is on {x.device}, but the process group's backend is {pg}, which "
+                f"sends {wants} tensors here; move it with {name}.{wants}()"
             )
         return x
 
@@ -144,11 +140,9 @@ class _C10d(CommBackend):
     def _group(self, groups: Groups | None) -> tuple[Any, tuple[int, ...]]:
         """``(process group, this rank's group in listed order)``; None: the default group.
 
-        The cache holds the groups *weakly*: ``destroy_process_group()`` must be able to free
-        them. A strong reference kept them alive until the interpreter's teardown, where
-        gloo's threads were destroyed unjoined and the process aborted ("terminate called
-        without an active exception") after a run that had finished.
-        """
+        Cached *weakly*: held strongly, the groups outlived ``destroy_process_group()`` until
+        the teardown, where gloo's unjoined threads aborted a finished run ("terminate called
+        without an active exception")."""
         dist = _dist()
         world = dist.group.WORLD
         if self._world is None or self._world() is not world:  # a new init_process_group
@@ -174,8 +168,15 @@ class _C10d(CommBackend):
         x = x.contiguous()
         receives = any(t == rank for _, t in pairs)
         out = torch.empty_like(x) if receives else torch.zeros_like(x)  # no source: zeros
-        if route_of(dist.get_backend()) == "all_to_all":
-            return self._all_to_all(x, out, pairs)
+        if route_of(dist.get_backend()) == "all_to_all":  # every rank calls it, even in no pair
+            sends, gets = [0] * dist.get_world_size(), [0] * dist.get_world_size()
+            for source, target in pairs:
+                sends[target] += x.numel() if source == rank else 0
+                gets[source] += x.numel() if target == rank else 0
+            inbox = out.view(-1) if receives else out.new_empty(0)
+            outbox = x.view(-1) if any(sends) else x.new_empty(0)
+            work = dist.all_to_all_single(inbox, outbox, gets, sends, async_op=True)
+            return _Pending(out, [work], x)
         ops = []
         for source, target in pairs:
             if source == rank and target == rank:
@@ -186,20 +187,6 @@ class _C10d(CommBackend):
                 ops.append(dist.P2POp(dist.irecv, out, source, tag=tag))
         works = dist.batch_isend_irecv(ops) if ops else []
         return _Pending(out, list(works), x)
-
-    def _all_to_all(self, x: torch.Tensor, out: torch.Tensor, pairs: Pairs) -> Handle:
-        """One ``all_to_all_single`` on the default group (every rank calls it, one in no pair
-        with no non-zero split)."""
-        dist = _dist()
-        rank, n = dist.get_rank(), dist.get_world_size()
-        sends, receives = [0] * n, [0] * n
-        for source, target in pairs:
-            sends[target] += x.numel() if source == rank else 0
-            receives[source] += x.numel() if target == rank else 0
-        inbox = out.view(-1) if any(receives) else out.new_empty(0)
-        outbox = x.view(-1) if any(sends) else x.new_empty(0)
-        work = dist.all_to_all_single(inbox, outbox, receives, sends, async_op=True)
-        return _Pending(out, [work], x)
 
     def all_gather(self, x: torch.Tensor, dim: int, groups: Groups) -> torch.Tensor:
         dist = _dist()

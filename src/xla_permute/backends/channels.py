@@ -1,16 +1,12 @@
 """Channel ids for collectives: the same on every rank, distinct within one program.
 
-On the CPU mesh every device thread compiles its own module, and XLA:CPU matches the
-participants of a collective by its channel id (``op_id`` in the rendezvous key); without one it
-falls back to the module's id, which differs per thread, and the rendezvous never completes.
-So every collective this package issues carries a channel id from :func:`next_channel_id`.
-
-The counter is kept **per rank** (per XLA device), not per process and not per thread: the
-ranks of the CPU mesh are threads of one process, so a process-wide counter would hand rank 0
-and rank 1 different ids for the same collective; and autograd runs a rank's backward on a
-device thread of its own, so a per-thread counter would reuse the forward's ids within one
-program. The counter restarts at every ``xm.mark_step()``, so that a training loop traces the
-same graph every step and hits XLA's compile cache instead of recompiling.
+XLA:CPU matches the participants of a collective by its channel id (``op_id`` in the rendezvous
+key), else by the module's id, which differs per device thread of the CPU mesh: the rendezvous
+would never complete. The counter is **per rank** (per XLA device): the ranks are threads of
+one process (a process-wide counter would give two ranks different ids for one collective),
+and autograd runs a rank's backward on another thread (a per-thread counter would reuse the
+forward's ids). It restarts at every ``xm.mark_step()``, so that a training loop traces the
+same graph every step and hits XLA's compile cache.
 """
 
 from __future__ import annotations

@@ -28,7 +28,7 @@ import torch
 from xla_permute.backends.base import CommBackend, Handle, Ready
 from xla_permute.backends.c10d import c10d_backend
 from xla_permute.backends.compiled import check_not_compiling
-from xla_permute.backends.xla import check_xla_tensor, need_torch_xla, xla_backend
+from xla_permute.backends.xla import check_xla_tensor, xla_backend
 from xla_permute.pairs import Groups, GroupsLike, Pairs, global_pairs, ring_pairs
 
 __all__ = [
@@ -57,11 +57,8 @@ def distributed_ready() -> bool:
 
 
 def get_backend(name: str = "auto", x: torch.Tensor | None = None) -> CommBackend:
-    """The backend called ``name`` (``"auto"``: chosen for the tensor ``x``, see the module).
-
-    ``x=None`` (this rank's place only, e.g. when building a layer): ``auto`` is ``c10d``
-    when a process group is initialized, else XLA.
-    """
+    """The backend called ``name`` (``"auto"``: chosen for the tensor ``x``, see the module;
+    with ``x=None``, ``c10d`` when a process group is initialized, else XLA)."""
     if name not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {name!r}")
     if name == "auto":
@@ -75,10 +72,8 @@ def get_backend(name: str = "auto", x: torch.Tensor | None = None) -> CommBacken
 def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBackend:
     """Check that ``x`` is a tensor ``backend`` can send; return the backend (resolved).
 
-    The checks run before anything is asked of a runtime: a CPU tensor without a process
-    group is refused without starting torch_xla. Inside ``torch.compile`` it raises
-    :class:`~xla_permute.backends.compiled.CompileError` first, naming the op
-    (:func:`~xla_permute.backends.compiled.check_not_compiling`).
+    Before anything is asked of a runtime (a CPU tensor without a process group is refused
+    without starting torch_xla); inside ``torch.compile``, :class:`CompileError` first.
     """
     check_not_compiling()
     if not isinstance(x, torch.Tensor):
@@ -94,8 +89,7 @@ def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBacke
         )
     xla = backend in ("native", "emulated") or (backend == "auto" and not ready)
     if xla:  # before get_backend, which starts the XLA runtime
-        need_torch_xla(f"backend={backend!r} outside a torch.distributed process group")
-        check_xla_tensor(x, name)
+        check_xla_tensor(x, name, backend)
     chosen = get_backend(backend, x)
     if not xla:
         chosen.check_tensor(x, name)

@@ -32,7 +32,6 @@ from xla_permute.hardware import check_device_pairs, check_not_spmd
 from xla_permute.pairs import Groups, Pairs, source_of
 
 __all__ = [
-    "HAS_TORCH_XLA",
     "check_native_runs_here",
     "check_xla_tensor",
     "device_error",
@@ -48,15 +47,15 @@ def need_torch_xla(what: str) -> None:
     if not HAS_TORCH_XLA:
         raise ModuleNotFoundError(
             f"{what} needs torch_xla, which is not installed: pip install 'xla-permute[xla]' "
-            f"(torch_xla 2.9.0, with torch 2.9.0). Without it every op runs on a "
-            f"torch.distributed process group (backend='c10d'): call "
-            f"torch.distributed.init_process_group(...) first",
+            f"(torch_xla 2.9.0, with torch 2.9.0). Without it every op runs on a process "
+            f"group (backend='c10d'): call torch.distributed.init_process_group(...) first",
             name="torch_xla",
         )
 
 
-def check_xla_tensor(x: object, name: str = "x") -> torch.Tensor:
+def check_xla_tensor(x: object, name: str = "x", backend: str = "auto") -> torch.Tensor:
     """Raise unless ``x`` is a tensor on an XLA device (the fix is in the message)."""
+    need_torch_xla(f"backend={backend!r} outside a torch.distributed process group")
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
     if x.device.type != "xla":
