@@ -537,11 +537,26 @@ def run_all(out_dir: str, route: str) -> None:
             results["errors"][name] = "no error"
         except (TypeError, ValueError) as e:
             results["errors"][name] = f"{type(e).__name__}: {e}"
+    results["compile"] = compiled_ring()
     dist.barrier()  # every rank is past its errors: none left a peer waiting
     torch.save(results, Path(out_dir) / f"rank{r}.pt")
     if n == 2:
         hang(r, Path(out_dir))
     dist.destroy_process_group()
+
+
+def compiled_ring() -> str:
+    """A ring under ``torch.compile`` (Inductor, PyTorch's default): refused at once, before any
+    collective, on every rank (``CompileError: <op> was called inside torch.compile ...``)."""
+
+    def step(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.relu(xp.all_gather_matmul(x, w, dim=0)).sum()
+
+    try:
+        torch.compile(step)(torch.ones(2, 4), torch.ones(4, 3))
+        return "no error"
+    except xp.CompileError as e:
+        return f"CompileError: {e}"
 
 
 def hang(r: int, out: Path) -> None:

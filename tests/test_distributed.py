@@ -187,6 +187,16 @@ def test_bad_input_raises_the_same_clear_error_on_every_rank(launch):
             assert len(set(messages)) == 1, messages
 
 
+def test_a_ring_under_torch_compile_is_refused_on_every_rank(launch):
+    """Refused, not compiled: the ops keep host state (handles in flight, the agreement checks)
+    that Dynamo cannot trace; every rank raises before any collective, naming the op."""
+    n, ranks = launch
+    for r in range(n):
+        assert ranks[r]["compile"].startswith(
+            "CompileError: all_gather_matmul was called inside torch.compile"
+        ), ranks[r]["compile"]
+
+
 @pytest.mark.parametrize("launch", [2], indirect=True, ids=["N=2"])
 def test_a_rank_that_never_joins_fails_the_others_within_the_timeout(launch):
     """At the end of the 2-process launch rank 1 sleeps instead of calling all_gather_matmul:
