@@ -50,33 +50,46 @@ for _env in (os.environ, TUTORIAL_ENV):
 #: tests whose names (after ``test_``) start as listed. Why: they run on the CPU mesh
 #: (``run_on_mesh``: XLA:CPU devices), read XLA tensors' HLO, or read torch_xla's own
 #: configuration (test_hardware, test_pipeline's send/recv path, the workshop's environment
-#: doctests); test_docs builds the pages, which run the mesh.
+#: doctests); test_docs's builds execute the pages, which run the mesh.
 NEEDS_TORCH_XLA = {
-    "*": "bench_attention collectives debug_mesh docs matmul matmul_fused matmul_groups "
-    "mesh_programs permute pipeline_step reliability tracing training training_probes warm",
+    "*": "bench_attention collectives debug_mesh matmul matmul_fused matmul_groups reliability "
+    "tracing training training_probes warm",
     "attention": "bad_inputs_raise_before empty_inputs_issue forward_and_backward "
     "groups_are_rings native_hlo",
-    "bench": "all_gather_matmul_sends emulated_results matmul_reduce_scatter_sends memory_ "
-    "partial_sum_bytes report_labels rings_at_their smoke the_token trace_and_compile",
+    "bench": "all_gather_matmul_sends emulated_results matmul_reduce_scatter_sends memory_comes "
+    "memory_does memory_is memory_rank partial_sum_bytes report_labels rings_at_their smoke "
+    "the_token trace_and_compile",
     "debug_default": "disagreement_raises local_mistakes ranks_that_agree the_mesh_turns",
+    "docs": "api_pages docs_build_without search_index",
     "hardware": "collective_permute_consults collective_signatures detect_ the_xla_backends_refuse",
     "launch": "closure_lambda every_op_reports hang_is_killed mesh_error_names "
     "mismatched_collective rank_error_names result_that_cannot results_come_back "
     "script_whose single_device_mesh the_launcher_var xla_tensor",
     "layers": "layers_run_every_collective training_step_matches",
     "mesh2d": "all_reduce mesh2d_coords_on_the_mesh ranks_that_disagree",
+    "mesh_programs": "130_good a_loop_that_drops a_sync_with_nothing a_tensor_parallel_hugging "
+    "each_rank_gets the_default_check_catches_bfloat16 torch_compile_is_refused",
     "notebook": "a_kernel_started_ahead",  # its warm-up starts the mesh's warm process
     "pairs": "x_not_on_an_xla_device",
+    "permute": "all_self bad_input_raises bad_inputs_issue bad_pairs_error classic_case "
+    "empty_pairs emulated_lowering generated_case_matches native_lowering swap_with three_self "
+    "torch_xla_ring",
     "pipeline": "bad_inputs_raise_in_rank forward_and_backward send_recv_step "
     "sendrecv_code_path stage_shift_step",
+    "pipeline_step": "1f1b_holds bad_calls gradients_bit ran_the llama_shaped step_equals "
+    "training_steps",
     "plan": "eight_ranks every_matmul_of_a_block the_plan_equals the_sharded_loss "
     "tp_sp_and_ring_attention",
     "selftest": "demo_runs_every_check",
     "shift": "bad_inputs_raise_in_rank shift_and_its_backward",
     "strategy": "xla_strategy_on_the_cpu_mesh",
 }
-#: Doctests that run the mesh or read torch_xla, by their module.
-XLA_DOCTESTS = ("xla_permute.cpu_mesh", "xla_permute_tools.environment")
+#: Doctests that run the mesh or read torch_xla.
+XLA_DOCTESTS = {
+    "xla_permute.cpu_mesh.launch",
+    "xla_permute_tools.environment.collective_signatures",
+    "xla_permute_tools.environment.detect",
+}
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 # Modules that import torch_xla at their top are not collected without it (no doctest to run).
 collect_ignore = (
@@ -96,7 +109,7 @@ def needs_torch_xla(item: pytest.Item) -> bool:
     if isinstance(item, TutorialCell):
         return item.parent.needs_torch_xla
     if isinstance(item, pytest.DoctestItem):
-        return item.name.startswith(XLA_DOCTESTS)
+        return item.name in XLA_DOCTESTS
     module = item.path.stem.removeprefix("test_")
     if item.path.parent.name != "tests":
         return False
