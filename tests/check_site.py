@@ -9,7 +9,8 @@ width (420 px), and fails when, on any page:
 * math shows as raw TeX (MathJax missing offline, or never rendered);
 * an image did not load;
 * a code or output block, or a displayed formula, is wider than the content column at 1400 px
-  (hidden behind a scrollbar);
+  (hidden behind a scrollbar), or a table scrolls in its container at 1400 px (a column cut
+  off: at that width every table must fit);
 * a word is broken inside a table cell (``nativ/e``): cells break only at spaces, hyphens and
   slashes, and a table too wide for the column scrolls in its own container;
 * the page is wider than a 420 px viewport (the reader would scroll sideways);
@@ -36,7 +37,9 @@ width (420 px), and fails when, on any page:
 * an internal link leads nowhere: its page does not exist, or its ``#anchor`` is on no
   element of the page it names (:func:`link_problems`, read from the HTML files);
 
-and when the search page finds nothing for ``collective_permute``, or a search for
+and when a hardware caveat is shown in full more than once on the site (:func:`caveat_problems`:
+each is shown once, under its anchor on the hardware caveats page, and linked elsewhere), or
+when the search page finds nothing for ``collective_permute``, or a search for
 ``all_gather_matmul`` lists the tests page or no API or tutorial page (:data:`SEARCHES`), or no
 page shows a rendered formula, or the pipeline bubble calculator shows another bubble than
 its page asserts (:func:`check_calculator`). Full-page screenshots of
@@ -96,10 +99,13 @@ for (const found of main.querySelectorAll(blocks)) {
   const el = found.closest(".pst-scrollable-table-container") || found;
   const r = el.getBoundingClientRect();
   if (r.width === 0) continue;
-  const scrolls = el !== found;  // the table's container: it may scroll, not overflow
-  const hidden = !scrolls && el.scrollWidth > el.clientWidth + 1;
-  if (hidden || r.right > right) {
-    const text = (el.innerText || "").split("\n")[0].slice(0, 60);
+  const hidden = el.scrollWidth > el.clientWidth + 1;
+  const text = (el.innerText || "").split("\n")[0].slice(0, 60);
+  if (el !== found && hidden) {
+    // At this width every table fits: one that scrolls hides part of a column.
+    out.push(`table scrolls at ${window.innerWidth}px, ${el.scrollWidth - el.clientWidth}px ` +
+             `hidden (${el.scrollWidth}px in ${el.clientWidth}px): "${text}"`);
+  } else if (hidden || r.right > right) {
     out.push(`${el.tagName.toLowerCase()} wider than the column ` +
              `(${el.scrollWidth}px in ${el.clientWidth}px): "${text}"`);
   }
@@ -657,6 +663,65 @@ def check_math(driver, root: Path) -> list[str]:
     return []
 
 
+class _Text(HTMLParser):
+    """The text of an HTML page, a line per block (paragraph, list item, table cell)."""
+
+    BLOCKS = frozenset({"p", "li", "td", "th", "tr", "div", "dt", "dd", "br", "pre", "section"})
+
+    def __init__(self) -> None:
+        super().__init__(convert_charrefs=True)
+        self.parts: list[str] = []
+        self._skip = 0
+
+    def handle_starttag(self, tag: str, attrs: list[tuple[str, str | None]]) -> None:
+        if tag in ("script", "style"):
+            self._skip += 1
+        elif tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_endtag(self, tag: str) -> None:
+        if tag in ("script", "style"):
+            self._skip = max(0, self._skip - 1)
+        elif tag in self.BLOCKS:
+            self.parts.append("\n")
+
+    def handle_data(self, data: str) -> None:
+        if not self._skip:
+            self.parts.append(data.replace("\n", " "))
+
+
+#: A caveat shown in full (xla_permute_tools.tables.caveat_entries, or a caveat's rows as a
+#: table): the text of its "what goes wrong" entry, the line after the label or on it.
+_CAVEAT_BODY = re.compile(
+    r"^[ \t]*what goes wrong:?\s*([^\n]{20,})\n\s*this package", re.I | re.M
+)
+
+
+def caveat_problems(files: list[Path], root: Path) -> list[str]:
+    """Problems: a caveat shown in full more than once on the site (on two pages, or twice on
+    one). Each is shown once, on the hardware caveats page, under its anchor
+    ``caveat-<id>``; other pages link to it with ``{ref}`caveat-<id>```."""
+    shown: dict[str, list[str]] = {}
+    for page in files:
+        parser = _Text()
+        parser.feed(page.read_text(errors="replace"))
+        for body in _CAVEAT_BODY.findall("".join(parser.parts)):
+            key = " ".join(body.split()).lower()
+            shown.setdefault(key, []).append(str(page.relative_to(root)))
+    return [
+        f"a caveat shown in full {len(where)} times ({', '.join(where)}): show it once, on the "
+        f"hardware caveats page, and link to it with {{ref}}`caveat-<id>`: "
+        f'"{key[:60]}"'
+        for key, where in shown.items()
+        if len(where) > 1
+    ]
+
+
+def site_caveats(driver, root: Path) -> list[str]:
+    """:func:`caveat_problems` of the built pages; ``driver`` is unused."""
+    return caveat_problems(pages(root), root)
+
+
 def other_links(driver, root: Path) -> list[str]:
     """Broken internal links of the HTML files no page check opens (the highlighted sources
     under ``_modules``, the index, the search page); ``driver`` is unused."""
@@ -790,6 +855,13 @@ _BAD_PAGES = {
         "\\(\\frac{\\partial L}{\\partial x}\\)</span></p>",
         "math left as raw TeX",
     ),
+    "scrolled_table.html": (
+        "<div class='pst-scrollable-table-container' style='overflow-x:auto'><table><tr>"
+        "<td>PyTorch's plan</td><td><code class='literal'><span class='pre' style='white-space:"
+        "nowrap'>" + "RowwiseParallel(output_layouts=Shard(1))" * 3 + "</span></code></td>"
+        "<td>why</td></tr></table></div>",
+        f"table scrolls at {WIDE}px",
+    ),
     "broken_word.html": (
         "<table><tr><td style='width:3em;overflow-wrap:anywhere'>baseline native</td>"
         "<td>ok</td></tr></table>",
@@ -902,7 +974,34 @@ def self_test(driver) -> list[str]:
                 failures.append(f"self-test: the check did not catch {name} ({problems})")
             else:
                 print(f"self-test: {name} caught: {[p for p in problems if expected in p][0]}")
+        failures += _self_test_caveats(Path(tmp))
     return failures
+
+
+def _self_test_caveats(tmp: Path) -> list[str]:
+    """The same caveat in full on two pages (as the caveats' rows, a table), and a page that
+    only links to it: the first two are caught, the link is not."""
+    from xla_permute_tools.catalog import caveats
+
+    caveat = next(c for c in caveats() if c.id == "collective-token")
+    rows = "".join(f"<tr><td>{label}</td><td>{text}</td></tr>" for label, text in caveat.rows())
+    table = f"<table><thead><tr><th>{caveat.id}</th><th>{caveat.severity}</th></tr></thead>"
+    files = []
+    for name, body in (
+        ("caveat_page_a.html", table + f"<tbody>{rows}</tbody></table>"),
+        ("caveat_page_b.html", table + f"<tbody>{rows}</tbody></table>"),
+        ("caveat_link.html", f"<p>The caveat <a href='a.html#caveat-{caveat.id}'>link</a>.</p>"),
+    ):
+        files.append(tmp / name)
+        files[-1].write_text(
+            f"<html><body><article class='bd-article'>{body}</article></body></html>"
+        )
+    problems = caveat_problems(files, tmp)
+    caught = [p for p in problems if "caveat_page_a.html, caveat_page_b.html" in p]
+    if len(problems) != 1 or not caught:
+        return [f"self-test: the caveat shown on two pages was not caught alone ({problems})"]
+    print(f"self-test: caveat_page_a/b.html caught: {caught[0]}")
+    return []
 
 
 def _check_site(driver, root: Path, rel: Path, shots: Path | None) -> list[str]:
@@ -944,6 +1043,7 @@ def main(argv: list[str] | None = None) -> int:
     jobs.append(("search", partial(check_search, root=root)))
     jobs.append(("math", partial(check_math, root=root)))
     jobs.append(("links", partial(other_links, root=root)))
+    jobs.append(("caveats", partial(site_caveats, root=root)))
     jobs.append(("calculator", partial(check_calculator, root=root)))
 
     drivers: queue.Queue = queue.Queue()

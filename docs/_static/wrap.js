@@ -49,3 +49,38 @@ document.addEventListener("DOMContentLoaded", () => {
     link.appendChild(img);
   }
 });
+
+// A link to an anchor inside a folded output (each caveat's entry on the hardware caveats
+// page is one) opens the folds around it and scrolls to it, on load and on a link in the page.
+const openFoldsAroundTarget = () => {
+  const id = decodeURIComponent(location.hash.slice(1));
+  const target = id && document.getElementById(id);
+  if (!target) return;
+  let opened = false;
+  for (let fold = target.closest("details"); fold; fold = fold.parentElement.closest("details")) {
+    if (!fold.open) {
+      fold.open = true;
+      opened = true;
+    }
+  }
+  if (opened) target.scrollIntoView();
+};
+document.addEventListener("DOMContentLoaded", openFoldsAroundTarget);
+window.addEventListener("hashchange", openFoldsAroundTarget);
+
+// In a table (the API pages' tables of names aside, wrap.css) a literal may break after an
+// opening bracket, a "=", a "," or a ".": RowwiseParallel(<wbr>output_layouts=<wbr>Shard(1))
+// would otherwise set its column's width and push the table past the column. A <wbr> is an
+// element, not a character: what a reader copies stays the same.
+document.addEventListener("DOMContentLoaded", () => {
+  const article = document.querySelector("article.bd-article") || document.body;
+  for (const pre of article.querySelectorAll("table:not(.autosummary) code.literal span.pre")) {
+    const parts = pre.textContent.split(/(?<=[(=,.])(?=.)/);
+    if (parts.length < 2) continue;
+    pre.textContent = "";
+    parts.forEach((part, i) => {
+      if (i > 0) pre.appendChild(document.createElement("wbr"));
+      pre.appendChild(document.createTextNode(part));
+    });
+  }
+});

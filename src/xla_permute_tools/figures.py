@@ -37,8 +37,11 @@ from xla_permute.pipeline.schedule import units
 from xla_permute.sequence import layout_chunks
 from xla_permute_tools.cost.model import link_time, matmul_time, predict
 from xla_permute_tools.tables import (  # noqa: F401  (figures.rank_table, .table, ...)
+    CaveatEntries,
     RankTable,
     Table,
+    caveat_anchor,
+    caveat_entries,
     caveat_table,
     describe,
     rank_table,

@@ -15,7 +15,17 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from xla_permute_tools.caveat import Caveat
 
-__all__ = ["RankTable", "Table", "caveat_table", "describe", "rank_table", "table"]
+__all__ = [
+    "CaveatEntries",
+    "RankTable",
+    "Table",
+    "caveat_anchor",
+    "caveat_entries",
+    "caveat_table",
+    "describe",
+    "rank_table",
+    "table",
+]
 
 
 class RankTable:
@@ -175,3 +185,66 @@ def caveat_table(caveat: Caveat) -> Table:
     ['`cpu-channel-ids`', 'error']
     """
     return table([f"`{caveat.id}`", caveat.severity], caveat.rows())
+
+
+def caveat_anchor(caveat_id: str) -> str:
+    """The label of a caveat's entry (page 04 renders each with :func:`caveat_entries`): other
+    pages link to it with ``{ref}`caveat-<id>```.
+
+    >>> caveat_anchor("pin-layout")
+    'caveat-pin-layout'
+    """
+    return f"caveat-{caveat_id}"
+
+
+class CaveatEntries:
+    """Caveats as MyST Markdown, each under its label (:func:`caveat_anchor`): a notebook
+    shows them with the labels as link targets; ``str()`` gives the Markdown. Made by
+    :func:`caveat_entries`."""
+
+    def __init__(self, markdown: str) -> None:
+        self.markdown = markdown
+
+    def _repr_markdown_(self) -> str:
+        return self.markdown
+
+    def __str__(self) -> str:
+        return self.markdown
+
+    __repr__ = __str__
+
+
+def caveat_entries(selected: Sequence[Caveat]) -> CaveatEntries:
+    """Each caveat in full, once, as the site renders it: the label ``(caveat-<id>)=``, the id
+    as a small heading (a rubric, out of the page's table of contents, the text a
+    ``{ref}`caveat-<id>``` link shows), its severity, device types and summary, then a list of
+    what goes wrong, what this package does, the evidence and the sources. A list, not a
+    table: on a phone it wraps where a table's columns would not fit.
+
+    >>> from xla_permute_tools.catalog import caveats
+    >>> text = str(caveat_entries([c for c in caveats("CPU") if c.id == "cpu-channel-ids"]))
+    >>> text.splitlines()[:3]
+    ['(caveat-cpu-channel-ids)=', '', ':::{rubric} cpu-channel-ids']
+    """
+    blocks = []
+    for c in selected:
+        devices = "every device type" if "*" in c.applies_to else ", ".join(c.applies_to)
+        rows = dict(c.rows())
+        items = [
+            f"- **{label.capitalize()}:** {text}" for label, text in c.rows() if label != "summary"
+        ]
+        blocks.append(
+            "\n".join(
+                [
+                    f"({caveat_anchor(c.id)})=",
+                    "",
+                    f":::{{rubric}} {c.id}",
+                    ":::",
+                    "",
+                    f"**{c.severity}**, {devices}: {rows['summary']}",
+                    "",
+                    *items,
+                ]
+            )
+        )
+    return CaveatEntries("\n\n".join(blocks))
