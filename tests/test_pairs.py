@@ -52,7 +52,7 @@ def test_error_names_the_offending_pair_and_the_rule():
         check_pairs([(0, 1), (1, 2), (3, 2)], 4)
     assert str(e.value) == (
         "pairs: duplicate target 2 in pairs (1, 2) and (3, 2); every rank may receive from at "
-        "most one source"
+        "most one source (see the docs, tutorials/15_errors.html#error-pairs)"
     )
 
 

@@ -45,6 +45,7 @@ import torch
 from xla_permute.backends.base import CommBackend
 from xla_permute.backends.compiled import check_not_compiling
 from xla_permute.backends.tracing import is_tracing
+from xla_permute.pairs import see
 
 __all__ = [
     "ENV",
@@ -225,5 +226,5 @@ def agree(
         raise DisagreementError(
             f"{message} (xla_permute agreement check, on rank {backend.rank()} of "
             f"{backend.world_size()}: every rank must pass the same to each collective, in "
-            f"the same order)"
+            f"the same order){see('disagreement')}"
         )

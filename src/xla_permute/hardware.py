@@ -21,7 +21,7 @@ import warnings
 from collections.abc import Mapping
 from typing import Any
 
-from xla_permute.pairs import PairsLike, check_int, check_pairs, decompose
+from xla_permute.pairs import PairsLike, check_int, check_pairs, decompose, see
 
 __all__ = [
     "HardwareWarning", "check_device_pairs", "check_not_spmd", "device_type_name",
@@ -88,7 +88,7 @@ def check_device_pairs(
         raise ValueError(
             f"pairs {list(checked)} form an open chain {paths}: {dt} runs only permutes whose "
             f"pairs form complete rings. Close each chain into a ring: {fixes} (instead of "
-            f"zeros)."
+            f"zeros).{see('neuron-rings')}"
         )
     covered = {r for p in checked for r in p}
     idle = [r for r in range(n) if r not in covered]
@@ -141,6 +141,5 @@ def check_not_spmd(
         f"single rank (inside torch_xla's _shard_map xm.collective_permute aborts and "
         f"xm.all_reduce is dropped). Run them without use_spmd(), one process or device "
         f"thread per device (torch_xla.launch, xmp.spawn, xla_permute.run_on_mesh), or in "
-        f"SPMD mode leave the communication to the partitioner (xs.mark_sharding). See the "
-        f"hardware caveat spmd-manual-collectives (python -m xla_permute doctor --details)"
+        f"SPMD mode leave the communication to the partitioner (xs.mark_sharding){see('spmd')}"
     )

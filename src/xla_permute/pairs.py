@@ -25,6 +25,7 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 __all__ = [
+    "ERRORS_PAGE",
     "Decomposition",
     "PairsLike",
     "check_dim",
@@ -47,6 +48,13 @@ PairsLike = Iterable[Sequence[int]]
 Groups = tuple[tuple[int, ...], ...]
 # Replica groups as the ops take them: lists of ranks, or None for one group of all ranks.
 GroupsLike = Sequence[Sequence[int]] | None
+#: The docs' page that explains errors; a message whose cause is there ends with :func:`see`.
+ERRORS_PAGE = "tutorials/15_errors.html"
+
+
+def see(entry: str) -> str:
+    """The end of a message the errors page explains: `` (see ERRORS_PAGE#error-<entry>)``."""
+    return f" (see the docs, {ERRORS_PAGE}#error-{entry})"
 
 
 def check_int(
@@ -195,17 +203,17 @@ def check_pairs(pairs: PairsLike, group_size: int | None) -> Pairs:
             if group_size is not None and rank >= group_size:
                 raise ValueError(
                     f"pairs[{i}] = {(s, t)}: {role} {rank} is outside the group of "
-                    f"{group_size} ranks (ids 0..{group_size - 1})"
+                    f"{group_size} ranks (ids 0..{group_size - 1}){see('pairs')}"
                 )
         if s in by_source:
             raise ValueError(
                 f"pairs: duplicate source {s} in pairs {by_source[s]} and {(s, t)}; every rank "
-                f"may send to at most one target"
+                f"may send to at most one target{see('pairs')}"
             )
         if t in by_target:
             raise ValueError(
                 f"pairs: duplicate target {t} in pairs {by_target[t]} and {(s, t)}; every rank "
-                f"may receive from at most one source"
+                f"may receive from at most one source{see('pairs')}"
             )
         by_source[s] = by_target[t] = (s, t)
         out.append((s, t))

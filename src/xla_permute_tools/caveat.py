@@ -24,7 +24,9 @@ class Caveat:
 
     ``applies_to`` lists device types (``"*"``: all); ``sources`` are upstream URLs;
     ``evidence`` says what this project checked itself (installed source, a run on the CPU
-    mesh, a tutorial) or that a fact is not confirmed by a public source.
+    mesh, a tutorial) or that a fact is not confirmed by a public source. ``messages`` are the
+    messages of XLA, torch_xla or torch.distributed a user sees when it bites, as printed
+    (``...`` where they vary); the errors page has an entry for each and triggers it.
     """
 
     id: str
@@ -35,6 +37,7 @@ class Caveat:
     library_action: str
     sources: tuple[str, ...]
     evidence: str
+    messages: tuple[str, ...] = ()
 
     def format(self, width: int = 100) -> str:
         """A plain-text block, wrapped at ``width`` (for ``python -m xla_permute doctor``)."""

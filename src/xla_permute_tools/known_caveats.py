@@ -10,11 +10,16 @@ from __future__ import annotations
 
 from xla_permute_tools.caveat import Caveat
 
-__all__ = ["CAVEATS"]
+__all__ = ["CAVEATS", "RENDEZVOUS_TIMEOUT"]
 
 _PT_XLA = "https://github.com/pytorch/xla"
 _MAXTEXT = "https://github.com/AI-Hypercomputer/maxtext/blob/main"
 _NEURON_DOCS = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest"
+#: XLA:CPU's abort of a collective that not every rank reached in time (rendezvous.cc).
+RENDEZVOUS_TIMEOUT = (
+    "Termination timeout for `... RendezvousKey{...}` of ... seconds exceeded. ... but only ... "
+    "of them arrived on time."
+)
 
 #: Every caveat, in the order :func:`~xla_permute_tools.catalog.caveats` lists them.
 CAVEATS: tuple[Caveat, ...] = (
@@ -56,6 +61,7 @@ CAVEATS: tuple[Caveat, ...] = (
             "compile fail with \"No such compile option: 'xla_tpu_decompose_all_gather_einsum'\""
             ", and set after the first compile it is ignored (tutorial: Hardware caveats)"
         ),
+        messages=("No such compile option: 'xla_tpu_decompose_all_gather_einsum'",),
     ),
     Caveat(
         id="tpu-libtpu-overlap-flags",
@@ -126,6 +132,9 @@ CAVEATS: tuple[Caveat, ...] = (
         evidence=(
             "defaults read from the installed signatures; the HLO of a pinned and an unpinned "
             "all-gather and of a permute is traced on the CPU mesh (tutorial: Hardware caveats)"
+        ),
+        messages=(
+            "HloModule has a mix of layout constrained and unconstrained AllReduce instructions",
         ),
     ),
     Caveat(
@@ -287,6 +296,7 @@ CAVEATS: tuple[Caveat, ...] = (
         evidence=(
             "executed on every build in tutorials/01_getting_started.md (How the examples run)"
         ),
+        messages=(RENDEZVOUS_TIMEOUT,),
     ),
     Caveat(
         id="cpu-channel-ids",
@@ -308,6 +318,7 @@ CAVEATS: tuple[Caveat, ...] = (
         evidence=(
             "executed on every build in tutorials/01_getting_started.md (How the examples run)"
         ),
+        messages=(RENDEZVOUS_TIMEOUT,),
     ),
     Caveat(
         id="param-aliasing-deadlock",
@@ -343,6 +354,7 @@ CAVEATS: tuple[Caveat, ...] = (
             "tests/test_training_probes.py runs 132 collective + in-place update + sync probes "
             "in one launch"
         ),
+        messages=(RENDEZVOUS_TIMEOUT,),
     ),
     Caveat(
         id="empty-sync-device-lock",
@@ -375,6 +387,7 @@ CAVEATS: tuple[Caveat, ...] = (
             "off and passes with it on; the same file runs a loop that drops every permute's "
             "result and 132 good and bad calls with a mark_step after each"
         ),
+        messages=(RENDEZVOUS_TIMEOUT,),
     ),
     Caveat(
         id="compile-skew-rendezvous",
@@ -461,6 +474,7 @@ CAVEATS: tuple[Caveat, ...] = (
             "executed on every build in tutorials/04_hardware_caveats.md (Hardware caveats, "
             "SPMD mode) in child processes on a 4-device CPU mesh, the abort in one of its own"
         ),
+        messages=("Span::at failed bounds check",),
     ),
     Caveat(
         id="spmd-roll-all-gather",
@@ -509,5 +523,6 @@ CAVEATS: tuple[Caveat, ...] = (
             "installed torch_xla 2.9.0: no CUDA entries in xla_env_vars, no _has_cuda_support "
             "in _XLAC, and PJRT_DEVICE=CUDA raises the error above"
         ),
+        messages=("No PjRtPlugin registered for: CUDA",),
     ),
 )

@@ -1,11 +1,14 @@
 """The ops refuse ``torch.compile``: :func:`check_not_compiling`, before anything else they do.
 
-Imports nothing of this package, so every floor (the backends, the agreement checks) can call it.
+Imports only the lowest floor (pairs), so every floor (the backends, the agreement checks) can
+call it.
 """
 
 from __future__ import annotations
 
 import sys
+
+from xla_permute.pairs import see
 
 __all__ = ["CompileError", "check_not_compiling"]
 
@@ -52,5 +55,5 @@ def check_not_compiling(op: str | None = None) -> None:
             f"collectives keep per-rank state that Dynamo cannot trace. Call it outside the "
             f"compiled function (compile only the math around it), or run without "
             f"torch.compile: torch_xla's lazy tensors already compile each step into one XLA "
-            f"program at torch_xla.sync()"
+            f"program at torch_xla.sync(){see('compile')}"
         )

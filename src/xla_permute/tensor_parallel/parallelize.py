@@ -39,7 +39,7 @@ import torch
 from torch import nn
 
 from xla_permute.collectives import sum_gradients
-from xla_permute.pairs import GroupsLike
+from xla_permute.pairs import GroupsLike, see
 from xla_permute.sequence import check_layout
 from xla_permute.tensor_parallel.heads import ParallelAttention, PositionFn
 from xla_permute.tensor_parallel.layers import (
@@ -284,7 +284,7 @@ def _assign(plan: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
         hits = [n for n, p in split if len(p) == len(parts) and all(map(fnmatchcase, p, parts))]
         if not hits:
             close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
-            raise ValueError(f"plan key {key!r} matches no module of the model; close: {close}")
+            raise ValueError(f"plan key {key!r} matches no module; close: {close}{see('plan')}")
         for hit in hits:
             if hit in chosen:
                 raise ValueError(f"module {hit!r} is matched by two plan keys: {keys[hit]!r}")
