@@ -277,16 +277,16 @@ def test_mesh_error_names_the_collective_the_missing_rank_and_where_it_was(tmp_p
     for r in range(4):
         mesh_status.set_rank(r)
         mesh_status.note_op("all_gather_matmul")
-        mesh_status.enter_sync()
+        mesh_status.enter("sync")
         if r != 2:
-            mesh_status.leave_sync()
+            mesh_status.leave_sync(0.0)
     time.sleep(0.05)
     text = launch._diagnose(err, str(tmp_path), 4)
     mesh_status.start(None)  # back to doing nothing in this process
     assert text.startswith(
         "Diagnosis: XLA:CPU aborted an all gather (channel id 3) that 3 of 4 participants "
-        "reached in time: ranks 0, 1, 3 waited for rank 2. Rank 2 was inside torch_xla.sync() "
-        "for "
+        "reached in time: ranks 0, 1, 3 waited for rank 2. Rank 2 was inside torch_xla.sync(), "
+        "compiling its program for "
     ), text
     assert "(its last op of this package: all_gather_matmul, call 1)" in text
     empty = tmp_path / "empty"

@@ -2,6 +2,7 @@
 
 * :mod:`~xla_permute.cpu_mesh.launch`: :func:`run_on_mesh`, the caller's side;
 * :mod:`~xla_permute.cpu_mesh.device`: the device process (the rank threads, the sync guard);
+* :mod:`~xla_permute.cpu_mesh.barrier`: the compile barrier in every rank's sync;
 * :mod:`~xla_permute.cpu_mesh.rank_output`: the ranks' output, live and prefixed by rank;
 * :mod:`~xla_permute.cpu_mesh.status`: what each rank was doing, for the diagnosis of an abort.
 """

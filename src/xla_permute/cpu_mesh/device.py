@@ -14,21 +14,34 @@ import os
 import pickle
 import sys
 import threading
+import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch_xla
+import torch_xla._dynamo.dynamo_bridge as dynamo_bridge
+import torch_xla.core.dynamo_bridge as core_bridge
+import torch_xla.runtime as xr
+from torch_xla._internal import pjrt
 
 from xla_permute.cpu_mesh import rank_output
 from xla_permute.cpu_mesh import status as mesh_status
+from xla_permute.cpu_mesh.barrier import BARRIER_ENV
+from xla_permute.cpu_mesh.barrier import install as install_barrier
 from xla_permute.debug import on_op
 
-__all__ = ["SYNC_GUARD_ENV", "guard_syncs", "main"]
+__all__ = ["SYNC_GUARD_ENV", "fit_torch_compile", "guard_syncs", "main"]
 
 #: ``XLA_PERMUTE_SYNC_GUARD=0`` in a launch's environment turns the sync guard off
-#: (:func:`guard_syncs`), to see torch_xla's own behaviour.
+#: (:func:`guard_syncs`), and with it the compile barrier, to see torch_xla's own behaviour.
 SYNC_GUARD_ENV = "XLA_PERMUTE_SYNC_GUARD"
+
+
+def _on(variable: str) -> bool:
+    return os.environ.get(variable, "1").strip() != "0"
 
 
 class _ResultPickler(pickle.Pickler):
@@ -70,8 +83,6 @@ def _fail(rank: int, e: BaseException) -> None:
 def _run_rank(payload: bytes) -> Any:
     """Run the call on this rank with a copy of its own (unpickled here, on the rank's thread):
     a module or tensor in the arguments or globals is never shared with another rank."""
-    import torch_xla.runtime as xr
-
     rank = xr.global_ordinal()
     rank_output.set_rank(rank)
     mesh_status.set_rank(rank)
@@ -87,9 +98,10 @@ def _run_rank(payload: bytes) -> Any:
                               f"tensors, numbers, strings and containers of them"))  # fmt: skip
 
 
-def guard_syncs() -> None:
-    """Give every rank's ``torch_xla.sync()`` a pending scalar on the rank's own device, and
-    record the rank's time in it (:mod:`xla_permute.cpu_mesh.status`).
+def guard_syncs(barrier: Callable[[torch.device], None] | None) -> None:
+    """Guard every rank's ``torch_xla.sync()``: the compile barrier first, when given
+    (:mod:`xla_permute.cpu_mesh.barrier`), then the step marker with a pending scalar on the
+    rank's own device; the rank's time in it recorded (:mod:`xla_permute.cpu_mesh.status`).
 
     torch_xla 2.9 waits, in a sync with nothing to run, for the lock of ``CPU:0``, rank 0's
     device, which rank 0 holds while it executes a collective: the rank never reaches that
@@ -97,19 +109,57 @@ def guard_syncs() -> None:
     reproducer is in tests/test_mesh_programs.py). With the scalar, the sync locks the rank's
     own device only.
     """
-    import torch_xla
-
     step_marker = torch_xla._XLAC._xla_step_marker
 
     def guarded(*args: Any, **kwargs: Any) -> Any:
-        pending = torch.zeros((), device=torch_xla.device())  # noqa: F841 - held in the sync
-        mesh_status.enter_sync()
+        entered, device = time.monotonic(), torch_xla.device()
+        mesh_status.enter("sync")
         try:
+            if barrier is not None:
+                barrier(device)
+            pending = torch.zeros((), device=device)  # noqa: F841 - held in the sync
+            mesh_status.enter("sync")
             return step_marker(*args, **kwargs)
         finally:
-            mesh_status.leave_sync()
+            mesh_status.leave_sync(entered)
 
     torch_xla._XLAC._xla_step_marker = guarded
+
+
+class _OwnDeviceWait:
+    """torch_xla's ``xla_model`` for its dynamo bridge, whose ``wait_device_ops()`` with no
+    device list waits for the calling rank's device only."""
+
+    def __init__(self, xm: Any) -> None:
+        self._xm = xm
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._xm, name)
+
+    def wait_device_ops(self, devices: list[str] | None = None) -> None:
+        self._xm.wait_device_ops(devices or self._xm.xla_real_devices([torch_xla.device()]))
+
+
+def fit_torch_compile() -> None:
+    """Let ``torch.compile`` (backend ``openxla``) compile a rank's local math on the mesh.
+
+    torch_xla 2.9's dynamo bridge waits for the sync it starts with by
+    ``xm.wait_device_ops()`` with no device list: every device of the process, including
+    another rank's inside a collective that waits for this rank, and XLA:CPU aborts after
+    15 s. Here it waits for the rank's own device, and the rank's status says ``torch.compile``
+    while the bridge runs.
+    """
+    dynamo_bridge.xm = _OwnDeviceWait(dynamo_bridge.xm)
+    extract = core_bridge.extract_compiled_graph
+
+    def extract_compiled_graph(*args: Any, **kwargs: Any) -> Any:
+        mesh_status.enter("torch.compile")
+        try:
+            return extract(*args, **kwargs)
+        finally:
+            mesh_status.enter("run")
+
+    core_bridge.extract_compiled_graph = extract_compiled_graph
 
 
 def main(payload_path: str, result_path: str) -> None:
@@ -122,10 +172,11 @@ def main(payload_path: str, result_path: str) -> None:
     try:
         payload = Path(payload_path).read_bytes()
         pickle.loads(payload)  # a call that cannot be unpickled here is a start error
-        from torch_xla._internal import pjrt
 
-        if os.environ.get(SYNC_GUARD_ENV, "1").strip() != "0":
-            guard_syncs()
+        if _on(SYNC_GUARD_ENV):
+            n = int(os.environ["CPU_NUM_DEVICES"])
+            guard_syncs(install_barrier(n) if n > 1 and _on(BARRIER_ENV) else None)
+        fit_torch_compile()
         # What xmp.spawn runs in each host process: one thread per device, replication set.
         results = pjrt._run_thread_per_device(
             0,

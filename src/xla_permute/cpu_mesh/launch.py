@@ -43,6 +43,7 @@ import cloudpickle
 
 from xla_permute.cpu_mesh import rank_output
 from xla_permute.cpu_mesh import status as mesh_status
+from xla_permute.cpu_mesh.barrier import BARRIER_ENV, WAIT_S
 from xla_permute.debug import ENV as DEBUG_ENV
 from xla_permute.pairs import check_int
 
@@ -392,7 +393,25 @@ def _diagnose(err: str, directory: str, n: int) -> str:
         others = [status[r]["sync_s"] for r in waiting if r in status and status[r]["sync_s"]]
         if others:
             text += f"; the waiting ranks' last syncs took {min(others):.1f}-{max(others):.1f} s"
+    compiles = [f"{r}: {status[r]['compile_s']:.1f} s" for r in sorted(status)]
+    if any(status[r].get("compile_s") for r in status):
+        text += f". Each rank's last compile for the compile barrier took ({'; '.join(compiles)})"
+    for r in sorted(status):
+        if status[r].get("alone"):
+            text += (
+                f". Rank {r} ran its step without {_plural('rank', status[r]['alone'])}, "
+                f"which had not reached the compile barrier after {WAIT_S:g} s"
+            )
     return text + ". "
+
+
+_STATES = {
+    "sync": "was inside torch_xla.sync(), compiling its program",
+    "compile": "was compiling its step (before the compile barrier)",
+    "barrier": "was waiting at the compile barrier for the other ranks",
+    "torch.compile": "was inside torch.compile (its XLA bridge, compiling the graph)",
+    "run": "was running Python code",
+}
 
 
 def _describe(line: dict[str, Any] | None, now: float) -> str:
@@ -401,13 +420,14 @@ def _describe(line: dict[str, Any] | None, now: float) -> str:
     op = f" (its last op of this package: {line['last_op']}, call {line['calls']})"
     if not line["last_op"]:
         op = " (it had called no op of this package)"
+    since = "since its last sync" if line["state"] == "run" else "by then"
+    text = f"{_STATES[line['state']]} for {now - line['since']:.1f} s {since}{op}"
     if line["state"] == "sync":
-        return (
-            f"was inside torch_xla.sync() for {now - line['since']:.1f} s, compiling or "
-            f"dispatching its program{op}: a compile far slower than the other ranks' (a large "
-            f"program on a loaded machine) or a sync the others did not make"
+        text += (
+            ": a compile far slower than the other ranks' (a large program on a loaded machine) "
+            f"with the compile barrier off ({BARRIER_ENV}=0), or a sync the others did not make"
         )
-    return f"was running Python code for {now - line['since']:.1f} s since its last sync{op}"
+    return text
 
 
 def _plural(word: str, ranks: list[int]) -> str:

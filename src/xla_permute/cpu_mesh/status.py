@@ -2,16 +2,17 @@
 
 XLA:CPU ends the device process with SIGABRT when a collective's ranks arrive more than 15 s
 apart, Python state and all. So each rank keeps one line about itself in a file of the
-launch's directory: ``sync`` (inside ``torch_xla.sync()``, compiling and dispatching) or
-``run``, since when, how long its last sync took, and the last op of this package it called
-(:func:`note_op`, registered with :func:`xla_permute.debug.on_op`). After an abort,
-:func:`~xla_permute.run_on_mesh` names in its :class:`~xla_permute.MeshError` where the ranks
-that did not arrive were. Before :func:`start` (outside the device process) nothing is kept.
+launch's directory: its state (:data:`STATES`), since when, how long its last sync and its last
+compile took, the ranks it ran without at the compile barrier (``alone``), and the last op of
+this package it called (:func:`note_op`, registered with :func:`xla_permute.debug.on_op`).
+After an abort, :func:`~xla_permute.run_on_mesh` names in its :class:`~xla_permute.MeshError`
+where the ranks that did not arrive were. Before :func:`start` (outside the device process)
+nothing is kept.
 
 >>> import tempfile
 >>> with tempfile.TemporaryDirectory() as d:
 ...     start(d)
-...     set_rank(2); note_op("collective_permute"); enter_sync(); leave_sync()
+...     set_rank(2); note_op("collective_permute"); enter("sync"); leave_sync(0.0)
 ...     read(d)[2]["last_op"], read(d)[2]["state"]
 ...     start(None)
 ('collective_permute', 'run')
@@ -26,7 +27,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-__all__ = ["enter_sync", "leave_sync", "note_op", "read", "set_rank", "start"]
+__all__ = ["STATES", "enter", "leave_sync", "note_op", "read", "set_rank", "start"]
+
+#: What a rank can be doing: in Python; inside ``torch_xla.sync()`` (compiling and dispatching);
+#: compiling its step for the compile barrier; waiting there for the other ranks; inside
+#: torch.compile's XLA bridge (xla_permute.cpu_mesh.barrier).
+STATES = ("run", "sync", "compile", "barrier", "torch.compile")
 
 _directory: Path | None = None
 _local = threading.local()  # per rank: the ranks of the mesh are threads of one process
@@ -49,7 +55,7 @@ def _write(**changes: Any) -> None:
 def set_rank(rank: int) -> None:
     """Bind this thread to ``rank`` and write its first line."""
     _local.line = {"rank": rank, "state": "run", "since": time.monotonic(), "sync_s": 0.0}
-    _write(last_op="", calls=0)
+    _write(last_op="", calls=0, compile_s=0.0, alone=[])
 
 
 def note_op(op: str) -> None:
@@ -58,13 +64,15 @@ def note_op(op: str) -> None:
     _write(last_op=op, calls=line["calls"] + 1 if line else 0)
 
 
-def enter_sync() -> None:
-    _write(state="sync", since=time.monotonic())
+def enter(state: str, **fields: Any) -> None:
+    """Record that this rank entered ``state`` (one of :data:`STATES`) now, with ``fields``."""
+    _write(state=state, since=time.monotonic(), **fields)
 
 
-def leave_sync() -> None:
-    line, now = getattr(_local, "line", None), time.monotonic()
-    _write(state="run", since=now, sync_s=now - line["since"] if line else 0.0)
+def leave_sync(entered: float) -> None:
+    """Record that this rank left the sync it entered at ``entered`` (``time.monotonic()``)."""
+    now = time.monotonic()
+    _write(state="run", since=now, sync_s=now - entered)
 
 
 def read(directory: str | os.PathLike) -> dict[int, dict[str, Any]]:

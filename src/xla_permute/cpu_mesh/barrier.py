@@ -1,0 +1,209 @@
+"""The compile barrier of the CPU mesh: the ranks compile their step, wait for each other, run.
+
+XLA:CPU aborts a collective whose participants arrive more than 15 s apart, and on the mesh
+every rank thread compiles its own program inside ``torch_xla.sync()`` and runs it at once: a
+rank that compiles 15 s longer than another (a large program on a loaded machine) aborts the
+mesh (caveat ``compile-skew-rendezvous``). So the sync of a rank that called a collective since
+its last sync is split into the steps torch_xla's own dynamo bridge uses, with two meetings of
+the ranks (:class:`Rendezvous`): meet; find the rank's live tensors with a pending graph (a
+walk over the process's objects, safe only while no other rank runs); if that graph holds a
+collective, compile it into the process's computation cache (``_xla_warm_up_cache``), meet
+again, then run the cached graph (``_run_cached_graph``) and write the results into the
+tensors. The step marker that follows finds nothing left to compile.
+
+A rank that called no collective does not wait. The ranks meet by the count of their
+meetings (rank programs are SPMD: the k-th collective step of one rank meets the k-th of the
+others); a rank that has not arrived after :data:`WAIT_S` seconds leaves the others to go on
+alone, and their status lines say so (:mod:`xla_permute.cpu_mesh.status`). The barrier covers
+``torch_xla.sync()`` and ``xm.mark_step()``; a value read with ``.cpu()`` or ``.item()`` before
+the sync runs its graph outside it.
+"""
+
+from __future__ import annotations
+
+import gc
+import re
+import threading
+import time
+from collections.abc import Callable, Hashable
+from typing import Any
+
+import torch
+
+from xla_permute.cpu_mesh import status as mesh_status
+
+__all__ = ["BARRIER_ENV", "WAIT_S", "Rendezvous", "compile_wait_run", "install"]
+
+#: ``XLA_PERMUTE_COMPILE_BARRIER=0`` in a launch's environment turns the barrier off.
+BARRIER_ENV = "XLA_PERMUTE_COMPILE_BARRIER"
+
+#: Seconds a rank waits at the barrier for the others before it runs alone.
+WAIT_S = 120.0
+
+#: The private torch_xla calls the barrier is made of (checked by :func:`install`).
+_CALLS = (
+    "_check_tensor_need_materialization",
+    "_xla_get_tensor_id",
+    "_get_graph_hash",
+    "_get_xla_tensors_text",
+    "_xla_warm_up_cache",
+    "_get_tensors_xla_device_data_node",
+    "_run_cached_graph",
+)
+#: torch_xla's collectives (what ``xm.all_gather`` etc. call): a rank that called one since its
+#: last sync meets the others before it looks for its pending graph.
+_COLLECTIVE_CALLS = (
+    "_xla_all_reduce",
+    "_xla_all_reduce_inplace",
+    "_xla_all_gather",
+    "_xla_all_gather_out",
+    "_xla_all_gather_coalesced",
+    "_xla_all_gather_coalesced_out",
+    "_xla_reduce_scatter",
+    "_xla_reduce_scatter_out",
+    "_xla_reduce_scatter_coalesced",
+    "_xla_reduce_scatter_coalesced_out",
+    "_xla_all_to_all",
+    "_xla_collective_permute",
+    "_xla_send",
+    "_xla_recv",
+)
+#: The collectives in torch_xla's IR text (``xla::all_gather`` ...).
+_COLLECTIVE = re.compile(
+    r"xla::(all_reduce|all_gather|reduce_scatter|all_to_all|collective_permute|send|recv)\b"
+)
+
+
+class Rendezvous:
+    """The n ranks' waits with the same key meet; one ``timeout`` seconds late is left behind.
+
+    >>> r = Rendezvous(1)
+    >>> r.wait((0, "run"), rank=0, timeout=1.0)
+    []
+    """
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+        self._cond = threading.Condition()
+        self._arrived: dict[Hashable, set[int]] = {}
+        self._left: dict[Hashable, int] = {}
+        self._broken: set[Hashable] = set()
+
+    def wait(self, key: Hashable, rank: int, timeout: float) -> list[int]:
+        """Wait at meeting ``key`` until all ranks arrived; the ranks missing at the end."""
+        with self._cond:
+            arrived = self._arrived.setdefault(key, set())
+            arrived.add(rank)
+            self._cond.notify_all()
+            full = self._cond.wait_for(
+                lambda: len(arrived) == self.n or key in self._broken, timeout
+            )
+            if not full:
+                self._broken.add(key)
+            missing = sorted(set(range(self.n)) - arrived)
+            self._left[key] = self._left.get(key, 0) + 1
+            if self._left[key] == len(arrived) == self.n:
+                del self._arrived[key], self._left[key]
+                self._broken.discard(key)
+            return missing
+
+
+_local = threading.local()  # per rank: a collective called since the last sync; its meetings
+_has_collective: dict[Any, bool] = {}  # graph hash -> whether the graph holds a collective
+
+
+def _pending(device: torch.device) -> list[torch.Tensor]:
+    """The rank's live tensors with a graph to run, one per torch_xla tensor id, in the order
+    of the graph's outputs (what the step marker would run).
+
+    The walk takes every object of the process, other ranks' tensors too: it runs while the
+    other ranks wait at the barrier, since a rank thread that frees a tensor whose Python
+    object only this walk holds leaves that object empty (torch warns "Deallocating Tensor
+    that still has live PyObject references").
+    """
+    import torch_xla
+
+    found = []
+    for o in gc.get_objects():
+        try:
+            if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device == device:
+                found.append(o)
+        except RuntimeError:  # a tensor without a device (an undefined tensor)
+            continue
+    need = torch_xla._XLAC._check_tensor_need_materialization(found) if found else []
+    ids, pending = set(), []
+    for t, n in zip(found, need, strict=True):
+        if n and (i := torch_xla._XLAC._xla_get_tensor_id(t)) not in ids:
+            ids.add(i)
+            pending.append(t)
+    return pending
+
+
+def _meet(rendezvous: Rendezvous, key: tuple[int, str], rank: int, **fields: Any) -> None:
+    mesh_status.enter("barrier", meeting=key[0], **fields)
+    missing = rendezvous.wait(key, rank, WAIT_S)
+    mesh_status.enter("sync", alone=missing)
+
+
+def compile_wait_run(rendezvous: Rendezvous, rank: int, device: torch.device) -> None:
+    """If this rank called a collective since its last sync: meet the others, and if its
+    pending graph holds a collective, compile it, meet the others again, run it."""
+    import torch_xla
+
+    if not getattr(_local, "collective", False):
+        return
+    _local.collective = False
+    meeting = _local.meetings = getattr(_local, "meetings", -1) + 1
+    _meet(rendezvous, (meeting, "walk"), rank)
+    xlac = torch_xla._XLAC
+    tensors = _pending(device)
+    graph = xlac._get_graph_hash(tensors) if tensors else None
+    if graph is not None and graph not in _has_collective:
+        _has_collective[graph] = bool(_COLLECTIVE.search(xlac._get_xla_tensors_text(tensors)))
+    if graph is None or not _has_collective[graph]:
+        return
+    mesh_status.enter("compile")
+    start = time.monotonic()
+    xlac._xla_warm_up_cache(tensors, [])
+    _meet(rendezvous, (meeting, "run"), rank, compile_s=time.monotonic() - start)
+    _, inputs = xlac._get_tensors_xla_device_data_node(tensors)
+    results = xlac._run_cached_graph(graph, inputs)
+    bases = [t for t in tensors if not t._is_view()]  # a view's copy would rewrite its base
+    versions = [t._version for t in bases]
+    with torch.no_grad():
+        for t, r in zip(tensors, results, strict=True):
+            if not t._is_view():
+                t.copy_(r)
+    torch._C._autograd._unsafe_set_version_counter(bases, versions)
+
+
+def _noting(call: Callable[..., Any]) -> Callable[..., Any]:
+    def collective(*args: Any, **kwargs: Any) -> Any:
+        _local.collective = True
+        return call(*args, **kwargs)
+
+    return collective
+
+
+def install(n: int) -> Callable[[torch.device], None]:
+    """Check the torch_xla calls the barrier needs, note the rank's collectives; the barrier
+    of an ``n``-rank mesh, for the rank's sync."""
+    import torch_xla
+    import torch_xla.runtime as xr
+
+    xlac = torch_xla._XLAC
+    missing = [name for name in _CALLS + _COLLECTIVE_CALLS if not hasattr(xlac, name)]
+    if missing:
+        raise RuntimeError(
+            f"the CPU mesh's compile barrier needs torch_xla's {', '.join(missing)}, which this "
+            f"torch_xla {torch_xla.__version__} lacks; run with {BARRIER_ENV}=0 (its rendezvous "
+            f"may then abort when the ranks' compile times differ by over 15 s)"
+        )
+    for name in _COLLECTIVE_CALLS:
+        setattr(xlac, name, _noting(getattr(xlac, name)))
+    rendezvous = Rendezvous(n)
+
+    def barrier(device: torch.device) -> Any:
+        compile_wait_run(rendezvous, xr.global_ordinal(), device)
+
+    return barrier
