@@ -44,7 +44,7 @@ LAUNCHES = [(2, "auto"), (4, "auto"), (4, "all_to_all")]
     scope="module", params=LAUNCHES, ids=lambda p: f"N={p[0]}" + "-a2a" * (p[1] != "auto")
 )
 def launch(request, tmp_path_factory):
-    n, route = request.param if isinstance(request.param, tuple) else (request.param, "auto")
+    n, route = request.param
     out = tmp_path_factory.mktemp(f"dist{n}")
     code, output, _ = torchrun(n, out, route)
     assert code == 0, output[-4000:]
@@ -197,7 +197,7 @@ def test_a_ring_under_torch_compile_is_refused_on_every_rank(launch):
         ), ranks[r]["compile"]
 
 
-@pytest.mark.parametrize("launch", [2], indirect=True, ids=["N=2"])
+@pytest.mark.parametrize("launch", [LAUNCHES[0]], indirect=True, ids=["N=2"])
 def test_a_rank_that_never_joins_fails_the_others_within_the_timeout(launch):
     """At the end of the 2-process launch rank 1 sleeps instead of calling all_gather_matmul:
     rank 0 raises after the process group's timeout (2 s there), bounded, no hang."""

@@ -20,23 +20,24 @@ from __future__ import annotations
 import contextlib
 import weakref
 from collections.abc import Iterator, Sequence
-from typing import Any, Literal
+from typing import Any
 
 import torch
 
 from xla_permute.backends.base import CommBackend, Handle, Ready
 from xla_permute.pairs import Groups, Pairs
 
-__all__ = ["ROUTES", "c10d_backend", "permute_route", "route_of"]
+__all__ = ["P2P_BACKENDS", "ROUTES", "c10d_backend", "permute_route", "route_of"]
 
-Route = Literal["auto", "p2p", "all_to_all"]
+#: The routes a permute can take (:func:`permute_route`).
 ROUTES: tuple[str, ...] = ("auto", "p2p", "all_to_all")
-P2P_BACKENDS = frozenset({"gloo", "nccl", "mpi", "ucc"})  # with send/recv: "auto" uses p2p
+#: The c10d backends with send/recv, on which ``"auto"`` is ``"p2p"``.
+P2P_BACKENDS = frozenset({"gloo", "nccl", "mpi", "ucc"})
 _route = ["auto"]
 
 
 @contextlib.contextmanager
-def permute_route(route: Route) -> Iterator[None]:
+def permute_route(route: str) -> Iterator[None]:
     """Inside the block the ``c10d`` permutes take ``route`` (call it on every rank alike);
     ``"auto"``, the default, is ``"p2p"`` on :data:`P2P_BACKENDS`, else ``"all_to_all"``."""
     if route not in ROUTES:
