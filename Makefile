@@ -19,18 +19,22 @@ $(STAMP): pyproject.toml
 	$(BIN)/uv pip install --quiet --python $(BIN)/python --compile-bytecode -e '.[xla,test,docs]'
 	touch $(STAMP)
 
-# The second lane's environment: the newest torch the package registry serves here, without
-# torch_xla (the package's own dependencies leave that torch alone).
+# The second lane's environment: the newest torch the package registry serves here, installed
+# first, as a user has it; then the package, which must leave that torch alone and bring no
+# torch_xla.
 LIVE_TORCH ?= 2.14.1
 LIVE := .venv-live
 LIVE_STAMP := $(LIVE)/.installed-$(LIVE_TORCH)
+LIVE_UV := $(LIVE)/bin/uv pip install --quiet --python $(LIVE)/bin/python --compile-bytecode
 
 $(LIVE_STAMP): pyproject.toml
 	test -x $(LIVE)/bin/python || $(PYTHON) -m venv $(LIVE)
 	$(LIVE)/bin/python -m pip install --quiet uv==0.13.9
-	$(LIVE)/bin/uv pip install --quiet --python $(LIVE)/bin/python --compile-bytecode \
-	    'torch==$(LIVE_TORCH)' -e '.[test]'
-	$(LIVE)/bin/python -c "import importlib.util as u; assert not u.find_spec('torch_xla')"
+	$(LIVE_UV) 'torch==$(LIVE_TORCH)'
+	$(LIVE_UV) -e '.[test]'
+	$(LIVE)/bin/python -c "import torch, importlib.util as u; \
+	  assert torch.__version__.split('+')[0] == '$(LIVE_TORCH)', torch.__version__; \
+	  assert not u.find_spec('torch_xla'), 'torch_xla installed'"
 	touch $(LIVE_STAMP)
 
 demo: $(STAMP)
