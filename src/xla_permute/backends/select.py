@@ -98,14 +98,10 @@ def check_tensor(x: object, name: str = "x", backend: str = "auto") -> CommBacke
 
 @dataclass(frozen=True)
 class Ring:
-    """This rank's ring, built once at an op's boundary (``Ring.build``): the hops send
-    without re-checking.
-
-    ``size`` ranks, this rank at ``position``, ``groups`` checked (None: all ranks).
-    ``send(t, direction)`` passes every rank's ``t`` to the rank ``direction`` (+1 or -1)
-    ahead in its group and returns a :class:`Handle`; call ``wait()`` where the block is
-    needed (the next hop), so that the work in between overlaps the transfer.
-    """
+    """This rank's ring (``size`` ranks, this rank at ``position``, ``groups`` checked, None:
+    all), built once at an op's boundary (``Ring.build``). ``send(t, direction)`` passes every
+    rank's ``t`` to the rank ``direction`` (+1 or -1) ahead in its group, unchecked, and returns
+    a :class:`Handle`: ``wait()`` where the block is needed, so the work between overlaps."""
 
     backend: CommBackend
     size: int
@@ -122,11 +118,8 @@ class Ring:
         backend: CommBackend | str = "auto",
         bidirectional: bool = False,
     ) -> Ring:
-        """This rank's ring over ``groups`` (None: all ranks) on ``backend``.
-
-        Call it once at an op's boundary, after the op's own checks; then :meth:`check` with
-        the dtype that travels, before the first hop.
-        """
+        """This rank's ring over ``groups`` (None: all ranks) on ``backend``, after the op's
+        own checks; then :meth:`check` with the dtype that travels, before the first hop."""
         chosen = get_backend(backend) if isinstance(backend, str) else backend
         size, position, checked = chosen.position(groups)
         return cls(chosen, size, position, checked, bool(bidirectional))

@@ -1,9 +1,7 @@
-"""Whether this rank is tracing collectives that cannot run here (the state the backends read).
-
-The native backend (``xm.collective_permute``) cannot run on the CPU mesh; inside
-:func:`xla_permute.hlo.tracing` the ops build it anyway, for its HLO, and the XLA backend and
-the agreement checks ask :func:`is_tracing` whether to refuse or skip. :func:`enter_tracing`
-and :func:`leave_tracing` are that block's two ends.
+"""Whether this rank is tracing collectives that cannot run here: inside
+:func:`xla_permute.hlo.tracing` (entered and left by :func:`enter_tracing`, :func:`leave_tracing`)
+the ops build the native backend's permutes on the CPU mesh for their HLO, and the XLA backend
+and the agreement checks ask :func:`is_tracing` whether to refuse or skip.
 """
 
 from __future__ import annotations

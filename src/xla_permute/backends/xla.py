@@ -68,12 +68,9 @@ def check_xla_tensor(x: object, name: str = "x", backend: str = "auto") -> torch
 
 
 def device_error(x: torch.Tensor, name: str = "x") -> ValueError | None:
-    """The error to raise if the XLA tensor ``x`` is not on this rank's device, else None.
-
-    On the CPU mesh every rank is a thread with a device of its own; a tensor made with
-    ``device="xla:0"`` on every rank is fine on rank 0 alone, and rank 0 would wait in the
-    collective for the others forever. In debug mode rank 0 learns of it in the check.
-    """
+    """The error to raise if the XLA tensor ``x`` is not on this rank's device, else None: on
+    the CPU mesh ``device="xla:0"`` on every rank is fine on rank 0 alone, which would wait in
+    the collective for the others forever (in debug mode it learns of it in the check)."""
     if x.device.type != "xla":
         return None
     import torch_xla
@@ -89,12 +86,9 @@ def device_error(x: torch.Tensor, name: str = "x") -> ValueError | None:
 
 
 def check_native_runs_here(device_type: str) -> None:
-    """Raise if the native backend would *run* on ``device_type`` (the CPU mesh cannot).
-
-    XLA:CPU matches the participants of a collective by its channel id, and
-    ``xm.collective_permute`` has none: executed on the CPU mesh, it aborts the process in a
-    rendezvous. Tracing it for its HLO is fine, inside :func:`xla_permute.hlo.tracing`.
-    """
+    """Raise if the native backend would *run* on ``device_type``: ``xm.collective_permute``
+    has no channel id, by which XLA:CPU matches a collective's participants, so the CPU mesh
+    would abort in a rendezvous (tracing it, inside :func:`xla_permute.hlo.tracing`, is fine)."""
     if device_type != "CPU":
         return
     if not is_tracing():
@@ -104,12 +98,6 @@ def check_native_runs_here(device_type: str) -> None:
             "(or 'auto') to run it here, or build it inside `with xla_permute.hlo.tracing():` "
             "to read its HLO with xla_permute.hlo.trace (traced, never run)"
         )
-
-
-def _device_type() -> str:
-    import torch_xla.runtime as xr
-
-    return xr.device_type()
 
 
 class _Xla(CommBackend):
@@ -129,7 +117,9 @@ class _Xla(CommBackend):
 
     @property
     def device_type(self) -> str:  # type: ignore[override]
-        return _device_type()
+        import torch_xla.runtime as xr
+
+        return xr.device_type()
 
     def check_tensor(self, x: object, name: str = "x") -> torch.Tensor:
         return check_xla_tensor(x, name)
@@ -236,5 +226,5 @@ def xla_backend(name: str | None = None) -> CommBackend:
     """``"native"`` or ``"emulated"``; None: emulated on the CPU backend, native elsewhere."""
     need_torch_xla(f"backend={name or 'auto'!r} outside a torch.distributed process group")
     if name is None:
-        name = "emulated" if _device_type() == "CPU" else "native"
+        name = "emulated" if _NATIVE.device_type == "CPU" else "native"
     return {"native": _NATIVE, "emulated": _EMULATED}[name]
