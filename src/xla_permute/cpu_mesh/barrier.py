@@ -89,11 +89,16 @@ class Rendezvous:
         self._left: dict[Hashable, int] = {}
         self._broken: set[Hashable] = set()
 
-    def wait(self, key: Hashable, rank: int, timeout: float) -> list[int]:
-        """Wait at meeting ``key`` until all ranks arrived; the ranks missing at the end."""
+    def wait(
+        self, key: Hashable, rank: int, timeout: float, last: Callable[[], Any] | None = None
+    ) -> list[int]:
+        """Wait at meeting ``key`` until all ranks arrived (the last to arrive calls ``last()``
+        first); the ranks missing at the end."""
         with self._cond:
             arrived = self._arrived.setdefault(key, set())
             arrived.add(rank)
+            if len(arrived) == self.n and last is not None:
+                last()
             self._cond.notify_all()
             full = self._cond.wait_for(
                 lambda: len(arrived) == self.n or key in self._broken, timeout
@@ -114,7 +119,8 @@ _has_collective: dict[Any, bool] = {}  # graph hash -> whether the graph holds a
 
 def _pending(device: torch.device) -> list[torch.Tensor]:
     """The rank's live tensors with a graph to run, one per torch_xla tensor id, in the order
-    of the graph's outputs (what the step marker would run).
+    of their ids, as the step marker takes them: every rank of an SPMD program finds the same
+    graph.
 
     The walk takes every object of the process, other ranks' tensors too: it runs while the
     other ranks wait at the barrier, since a rank thread that frees a tensor whose Python
@@ -131,17 +137,18 @@ def _pending(device: torch.device) -> list[torch.Tensor]:
         except RuntimeError:  # a tensor without a device (an undefined tensor)
             continue
     need = torch_xla._XLAC._check_tensor_need_materialization(found) if found else []
-    ids, pending = set(), []
+    pending = {}  # one tensor per id, in the order of the ids: the ranks' orders agree
     for t, n in zip(found, need, strict=True):
-        if n and (i := torch_xla._XLAC._xla_get_tensor_id(t)) not in ids:
-            ids.add(i)
-            pending.append(t)
-    return pending
+        if n:
+            pending.setdefault(torch_xla._XLAC._xla_get_tensor_id(t), t)
+    return [pending[i] for i in sorted(pending)]
 
 
-def _meet(rendezvous: Rendezvous, key: tuple[int, str], rank: int, **fields: Any) -> None:
+def _meet(
+    rendezvous: Rendezvous, key: tuple[int, str], rank: int, last: Any = None, **fields: Any
+) -> None:
     mesh_status.enter("barrier", meeting=key[0], **fields)
-    missing = rendezvous.wait(key, rank, WAIT_S)
+    missing = rendezvous.wait(key, rank, WAIT_S, last)
     mesh_status.enter("sync", alone=missing)
 
 
@@ -154,7 +161,7 @@ def compile_wait_run(rendezvous: Rendezvous, rank: int, device: torch.device) ->
         return
     _local.collective = False
     meeting = _local.meetings = getattr(_local, "meetings", -1) + 1
-    _meet(rendezvous, (meeting, "walk"), rank)
+    _meet(rendezvous, (meeting, "walk"), rank, last=gc.collect)  # what is left is live
     xlac = torch_xla._XLAC
     tensors = _pending(device)
     graph = xlac._get_graph_hash(tensors) if tensors else None
