@@ -34,6 +34,8 @@ def test_what_needs_torch_xla_names_the_extra_at_once():
         "native": "xp.all_gather(torch.ones(2), 0, backend='native')",
         "layer": "xp.ColumnParallelLinear(4, 8)",
         "backend": "xp.backends.get_backend('emulated')",
+        "trace": "xp.hlo.trace([])",
+        "tracing": "xp.hlo.tracing().__enter__()",
     }
     code = "".join(
         f"try:\n    {call}\n    print({name!r}, 'no error')\n"

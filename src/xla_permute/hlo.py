@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from functools import cached_property
 
 from xla_permute.backends.tracing import enter_tracing, leave_tracing
+from xla_permute.backends.xla import need_torch_xla
 
 __all__ = [
     "COLLECTIVE_KINDS",
@@ -255,13 +256,13 @@ def discard_traced_collectives() -> None:
 def trace(tensors: object) -> str:
     """HLO text of the program that would compute ``tensors`` (a tensor or a list), never run.
 
-    Call it on a rank of the mesh with tensors built from XLA-device inputs; then discard
-    them (do not ``torch_xla.sync()`` with them alive). The program stands alone: the
-    collectives traced so far are forgotten afterwards (:func:`discard_traced_collectives`),
-    so the next traced program does not contain them. This is how the *native* backend's
-    program, which cannot run on the CPU mesh, is read there.
-    """
+    Call it on a rank of the mesh with tensors built from XLA-device inputs, then discard them
+    (no ``torch_xla.sync()`` with them alive). The collectives traced so far are forgotten
+    afterwards (:func:`discard_traced_collectives`): the next traced program stands alone. So
+    the *native* backend's program, which cannot run on the CPU mesh, is read there."""
     import torch
+
+    need_torch_xla("xla_permute.hlo.trace")
     import torch_xla
 
     outputs = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)  # type: ignore[call-overload]
@@ -275,11 +276,10 @@ def tracing() -> Iterator[None]:
     """Trace collectives that cannot run here, to read their HLO with
     :func:`~xla_permute.hlo.trace`.
 
-    The native backend (``xm.collective_permute``) cannot run on the CPU mesh, so the ops of this
-    package refuse it there, except inside this block: the caller promises to trace the tensors
-    it builds (:func:`trace`) and discard them, never to run them. On leaving the block the
-    collectives traced in it are forgotten (:func:`discard_traced_collectives`).
-    """
+    The ops refuse the native backend (``xm.collective_permute``) on the CPU mesh, except in
+    this block: the caller traces what it builds (:func:`trace`) and discards it, never runs
+    it. On leaving, the collectives traced in it are forgotten."""
+    need_torch_xla("xla_permute.hlo.tracing")
     depth = enter_tracing()
     try:
         yield
