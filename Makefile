@@ -28,6 +28,7 @@ LIVE_STAMP := $(LIVE)/.installed-$(LIVE_TORCH)
 LIVE_UV := $(LIVE)/bin/uv pip install --quiet --python $(LIVE)/bin/python --compile-bytecode
 
 $(LIVE_STAMP): pyproject.toml
+	rm -f $(LIVE)/.installed-*  # one torch at a time
 	test -x $(LIVE)/bin/python || $(PYTHON) -m venv $(LIVE)
 	$(LIVE)/bin/python -m pip install --quiet uv==0.13.9
 	$(LIVE_UV) 'torch==$(LIVE_TORCH)'
