@@ -6,13 +6,10 @@ one ``batch_isend_irecv`` where the group has send/recv (gloo, NCCL, MPI, UCC), 
 backend), or as asked (:func:`permute_route`). Both are **asynchronous**: ``send`` returns a
 handle once the transfers are posted, and ``handle.wait()`` blocks at first use, so each hop
 of a ring (collective matmul, ring attention) computes while the next block is in flight.
-All-gather and reduce-scatter are ``all_gather_into_tensor`` / ``reduce_scatter_tensor`` on
-one ``dist.new_group`` per group (made on first use by every rank alike, cached, with the
-default group's timeout); permutes use global ranks on the default group.
-
-Tested on CPU tensors with gloo, both routes (``tests/test_distributed.py``); CUDA tensors with
-NCCL and other backends' devices are the same code. A hung or dead peer surfaces as the
-process group's timeout (``init_process_group(timeout=...)``) on the waiting rank, not a hang.
+All-gather and reduce-scatter run on one ``dist.new_group`` per group (made on first use by
+every rank alike, cached, with the default group's timeout). Tested on CPU tensors with gloo,
+both routes (``tests/test_distributed.py``); CUDA with NCCL and other backends' devices are the
+same code. A dead peer surfaces as the process group's timeout on the waiting rank.
 """
 
 from __future__ import annotations
@@ -58,7 +55,7 @@ def route_of(pg_backend: str) -> str:
 
 
 class _Pending:
-    """The received tensor of a posted permute; ``wait()`` blocks until its transfers end."""
+    """A posted permute's received tensor; ``wait()`` blocks until its transfers end."""
 
     __slots__ = ("_out", "_works", "_sent")
 
@@ -77,9 +74,8 @@ def _dist() -> Any:
 
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError(
-            "backend='c10d' needs a torch.distributed process group: call "
-            "torch.distributed.init_process_group(...) on every process first (torchrun sets "
-            "the environment for init_process_group('gloo') or ('nccl'))"
+            "backend='c10d' needs a torch.distributed process group: call torch.distributed."
+            "init_process_group(...) on every process first (torchrun sets its environment)"
         )
     return dist
 
@@ -108,9 +104,8 @@ class _C10d(CommBackend):
         dist = _dist()
         if x.device.type == "xla":
             raise ValueError(
-                f"{name} is an XLA tensor ({x.device}), but backend='c10d' sends CPU or CUDA "
-                f"tensors with torch.distributed; use backend='auto' (XLA for XLA tensors) or "
-                f"move it with {name}.cpu()"
+                f"{name} is an XLA tensor ({x.device}), but backend='c10d' sends the process "
+                f"group's tensors; use backend='auto' (XLA for XLA tensors) or {name}.cpu()"
             )
         pg = dist.get_backend()
         wants = {"nccl": "cuda", "gloo": "cpu"}.get(pg, x.device.type)
@@ -130,11 +125,17 @@ class _C10d(CommBackend):
             f"and create the tensors there"
         )
 
+    def _device(self) -> torch.device:
+        """Where this process's collectives run: the CPU on gloo, else its accelerator (CUDA on
+        NCCL, TorchTPU's or TorchNeuron's device on theirs)."""
+        accelerator = torch.accelerator.current_accelerator(check_available=True)
+        gloo = _dist().get_backend() == "gloo"
+        return torch.device("cpu") if gloo or accelerator is None else accelerator
+
     def _timeout(self) -> Any:
         dist = _dist()
-        device = torch.device("cuda" if "nccl" in dist.get_backend() else "cpu")
         try:
-            return dist.group.WORLD._get_backend(device).options._timeout
+            return dist.group.WORLD._get_backend(self._device()).options._timeout
         except (AttributeError, RuntimeError):
             return None
 
@@ -212,8 +213,7 @@ class _C10d(CommBackend):
 
     def gather_rows(self, row: Sequence[int]) -> list[list[int]]:
         dist = _dist()
-        device = torch.device("cuda" if dist.get_backend() == "nccl" else "cpu")
-        mine = torch.tensor([list(row)], dtype=torch.int32, device=device)
+        mine = torch.tensor([list(row)], dtype=torch.int32, device=self._device())
         out = mine.new_empty((dist.get_world_size(), len(row)))
         dist.all_gather_into_tensor(out, mine)
         return out.cpu().tolist()
