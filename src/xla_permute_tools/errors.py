@@ -47,7 +47,7 @@ class ErrorEntry:
         return re.search(pattern, text, re.DOTALL) is not None
 
 
-#: Every entry of the errors page, in its order: the library's errors, then XLA's and torch_xla's.
+#: Every entry of the errors page in its order, the library's errors first, then XLA's.
 ERRORS: tuple[ErrorEntry, ...] = (
     ErrorEntry(
         "disagreement",
@@ -256,23 +256,26 @@ def required() -> dict[str, list[str]]:
 
 
 def explain(item: ErrorEntry) -> str:
-    """The cause, the fix and the links of ``item`` as MyST Markdown, from its caveats when it
-    has some (their summaries; what this package does about them)."""
+    """How ``item`` is raised, its cause, its fix and its links as MyST Markdown; an entry with
+    caveats and no cause of its own has a line per caveat: its summary (the cause) and what
+    this package does about it (the fix).
+
+    >>> explain(entry("layout-mix")).splitlines()[2][:46]
+    '- {ref}`pin-layout <caveat-pin-layout>` (silen'
+    """
     by_id = {c.id: c for c in CAVEATS}
-    lines = [f"**Raised as** {item.raised_as}."]
-    if item.cause:
-        lines.append(f"**Cause**: {item.cause}.")
-    if item.fix:
-        lines.append(f"**Fix**: {item.fix}.")
     links = {cid: f"{{ref}}`{cid} <caveat-{cid}>`" for cid in item.caveats}
-    if item.cause and links:  # the cause is said above: the caveats as links
-        lines.append(f"**Caveats**: {', '.join(links.values())}.")
-    elif links:  # each caveat's summary is a cause, what this package does about it the fix
+    said = [f"**Raised as** {item.raised_as}."]
+    said += [f"**{label}**: {text}." for label, text in (("Cause", item.cause), ("Fix", item.fix))
+             if text]  # fmt: skip
+    if item.cause and links:  # the cause is said: the caveats as links
+        said.append(f"**Caveats**: {', '.join(links.values())}.")
+    said += [f"More: {{doc}}`{item.page}`."] if item.page else []
+    lines = [" ".join(said)]
+    if not item.cause:
         lines += [
             f"- {link} ({by_id[cid].severity}): {by_id[cid].summary}. *What to do*: "
             f"{by_id[cid].library_action}"
             for cid, link in links.items()
         ]
-    if item.page:
-        lines.append(f"More: {{doc}}`{item.page}`.")
     return "\n\n".join(lines)

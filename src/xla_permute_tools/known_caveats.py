@@ -15,7 +15,7 @@ __all__ = ["CAVEATS", "RENDEZVOUS_TIMEOUT"]
 _PT_XLA = "https://github.com/pytorch/xla"
 _MAXTEXT = "https://github.com/AI-Hypercomputer/maxtext/blob/main"
 _NEURON_DOCS = "https://awsdocs-neuron.readthedocs-hosted.com/en/latest"
-#: XLA:CPU's abort of a collective that not every rank reached in time (rendezvous.cc).
+#: The message of a collective that not every rank reached in time, on XLA's CPU client.
 RENDEZVOUS_TIMEOUT = (
     "Termination timeout for `... RendezvousKey{...}` of ... seconds exceeded. ... but only ... "
     "of them arrived on time."
