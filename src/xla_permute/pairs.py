@@ -53,7 +53,8 @@ ERRORS_PAGE = "tutorials/15_errors.html"
 
 
 def see(entry: str) -> str:
-    """The end of a message the errors page explains: `` (see ERRORS_PAGE#error-<entry>)``."""
+    """The end of a message the errors page explains, after a space:
+    ``(see the docs, tutorials/15_errors.html#error-<entry>)``."""
     return f" (see the docs, {ERRORS_PAGE}#error-{entry})"
 
 
