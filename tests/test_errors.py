@@ -44,6 +44,7 @@ def test_every_entry_the_library_names_is_on_the_page():
     assert named <= set(_anchors()), named - set(_anchors())
     # the library's own refusals whose cause the page explains all name their entry
     assert {"pairs", "neuron-rings", "spmd", "plan", "disagreement", "compile"} <= named
+    assert {"native-on-cpu", "no-torch-xla", "outside-rank"} <= named
 
 
 def test_the_messages_end_with_their_entry_and_match_it():
@@ -59,6 +60,9 @@ def test_the_messages_end_with_their_entry_and_match_it():
         with pytest.raises(ValueError) as e:
             call()
         raised[slug] = str(e.value)
+    with pytest.raises(RuntimeError) as e:
+        xp.ColumnParallelLinear(4, 8)  # outside a rank, without world_size= and rank=
+    raised["outside-rank"] = str(e.value)
     for slug, message in raised.items():
         assert message.endswith(see(slug)), message
         assert errors.entry(slug).matches(message), message

@@ -29,7 +29,7 @@ from xla_permute.backends.base import CommBackend, Handle, Ready
 from xla_permute.backends.channels import AGREEMENT_CHANNEL, next_channel_id
 from xla_permute.backends.tracing import is_tracing
 from xla_permute.hardware import check_device_pairs, check_not_spmd
-from xla_permute.pairs import Groups, Pairs, source_of
+from xla_permute.pairs import Groups, Pairs, see, source_of
 
 __all__ = [
     "check_native_runs_here",
@@ -48,7 +48,8 @@ def need_torch_xla(what: str) -> None:
         raise ModuleNotFoundError(
             f"{what} needs torch_xla, which is not installed: pip install 'xla-permute[xla]' "
             f"(torch_xla 2.9.0, with torch 2.9.0). Without it every op runs on a process "
-            f"group (backend='c10d'): call torch.distributed.init_process_group(...) first",
+            f"group (backend='c10d'): call torch.distributed.init_process_group(...) first"
+            f"{see('no-torch-xla')}",
             name="torch_xla",
         )
 
@@ -96,7 +97,7 @@ def check_native_runs_here(device_type: str) -> None:
             "backend='native' (xm.collective_permute) cannot run on the CPU mesh: it carries "
             "no channel id, and XLA:CPU would abort in a rendezvous; use backend='emulated' "
             "(or 'auto') to run it here, or build it inside `with xla_permute.hlo.tracing():` "
-            "to read its HLO with xla_permute.hlo.trace (traced, never run)"
+            f"to read its HLO with xla_permute.hlo.trace (traced, never run){see('native-on-cpu')}"
         )
 
 

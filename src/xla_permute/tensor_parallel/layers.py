@@ -46,7 +46,7 @@ from xla_permute.matmul import (
     matmul_reduce_scatter,
     matmul_then_reduce_scatter,
 )
-from xla_permute.pairs import GroupsLike, check_int
+from xla_permute.pairs import GroupsLike, check_int, see
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear", "gather_replicated", "reduce_replicated"]
 
@@ -75,6 +75,7 @@ def _place(
             raise RuntimeError(
                 f"{what} built outside a mesh rank needs world_size= and rank= (asking the XLA "
                 f"runtime would start it here); build it inside the rank function, or pass both"
+                f"{see('outside-rank')}"
             )
         size, position = world_size, rank
     else:
