@@ -144,7 +144,9 @@ def reduce_scatter_checked(
 
 
 def _sum(x: torch.Tensor, groups: Groups, backend: CommBackend) -> torch.Tensor:
-    """Raw sum over the group: flatten, pad to a multiple of N, reduce-scatter, all-gather."""
+    """Raw sum over the group: flatten, pad to a multiple of N, reduce-scatter, all-gather.
+    The result is a tensor of its own, not a view of the gathered one (which would outlive
+    the step as a base that only C++ holds: the CPU mesh's compile barrier cannot see it)."""
     n = len(groups[0])
     flat = x.reshape(-1)
     pad = -flat.numel() % n
@@ -152,7 +154,7 @@ def _sum(x: torch.Tensor, groups: Groups, backend: CommBackend) -> torch.Tensor:
         flat = torch.cat([flat, flat.new_zeros(pad)])
     block = backend.reduce_scatter(flat, 0, groups)
     whole = backend.all_gather(block, 0, groups)
-    return whole[: x.numel()].view(x.shape)
+    return whole[: x.numel()].view(x.shape).clone()
 
 
 class _AllReduce(torch.autograd.Function):

@@ -115,12 +115,13 @@ class Rendezvous:
 
 _local = threading.local()  # per rank: a collective called since the last sync; its meetings
 _has_collective: dict[Any, bool] = {}  # graph hash -> whether the graph holds a collective
+_compiling: dict[Any, threading.Lock] = {}  # graph hash -> held by the rank compiling it
 
 
-def _pending(device: torch.device) -> list[torch.Tensor]:
-    """The rank's live tensors with a graph to run, one per torch_xla tensor id, in the order
-    of their ids, as the step marker takes them: every rank of an SPMD program finds the same
-    graph.
+def _pending(device: torch.device) -> list[list[torch.Tensor]]:
+    """The rank's live tensors with a graph to run, by torch_xla tensor id (a tensor and its
+    ``detach()`` share one), in the order of the ids as the step marker takes them: every rank
+    of an SPMD program finds the same graph.
 
     The walk takes every object of the process, other ranks' tensors too: it runs while the
     other ranks wait at the barrier, since a rank thread that frees a tensor whose Python
@@ -137,10 +138,10 @@ def _pending(device: torch.device) -> list[torch.Tensor]:
         except RuntimeError:  # a tensor without a device (an undefined tensor)
             continue
     need = torch_xla._XLAC._check_tensor_need_materialization(found) if found else []
-    pending = {}  # one tensor per id, in the order of the ids: the ranks' orders agree
+    pending: dict[int, list[torch.Tensor]] = {}
     for t, n in zip(found, need, strict=True):
         if n:
-            pending.setdefault(torch_xla._XLAC._xla_get_tensor_id(t), t)
+            pending.setdefault(torch_xla._XLAC._xla_get_tensor_id(t), []).append(t)
     return [pending[i] for i in sorted(pending)]
 
 
@@ -163,7 +164,8 @@ def compile_wait_run(rendezvous: Rendezvous, rank: int, device: torch.device) ->
     meeting = _local.meetings = getattr(_local, "meetings", -1) + 1
     _meet(rendezvous, (meeting, "walk"), rank, last=gc.collect)  # what is left is live
     xlac = torch_xla._XLAC
-    tensors = _pending(device)
+    groups = _pending(device)
+    tensors = [group[0] for group in groups]
     graph = xlac._get_graph_hash(tensors) if tensors else None
     if graph is not None and graph not in _has_collective:
         _has_collective[graph] = bool(_COLLECTIVE.search(xlac._get_xla_tensors_text(tensors)))
@@ -171,17 +173,18 @@ def compile_wait_run(rendezvous: Rendezvous, rank: int, device: torch.device) ->
         return
     mesh_status.enter("compile")
     start = time.monotonic()
-    xlac._xla_warm_up_cache(tensors, [])
+    with _compiling.setdefault(graph, threading.Lock()):  # the others find it in the cache
+        xlac._xla_warm_up_cache(tensors, [])
     _meet(rendezvous, (meeting, "run"), rank, compile_s=time.monotonic() - start)
     _, inputs = xlac._get_tensors_xla_device_data_node(tensors)
     results = xlac._run_cached_graph(graph, inputs)
-    bases = [t for t in tensors if not t._is_view()]  # a view's copy would rewrite its base
-    versions = [t._version for t in bases]
-    with torch.no_grad():
-        for t, r in zip(tensors, results, strict=True):
-            if not t._is_view():
+    everyone = [t for group in groups for t in group]
+    versions = [t._version for t in everyone]
+    with torch.no_grad():  # copied, so that a view and its base stay one (functionalization)
+        for group, r in zip(groups, results, strict=True):
+            for t in group:
                 t.copy_(r)
-    torch._C._autograd._unsafe_set_version_counter(bases, versions)
+    torch._C._autograd._unsafe_set_version_counter(everyone, versions)
 
 
 def _noting(call: Callable[..., Any]) -> Callable[..., Any]:
