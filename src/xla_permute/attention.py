@@ -355,8 +355,7 @@ def _check(
     op: str,
     backend: str = "auto",
 ) -> tuple[float, CommBackend]:
-    """Validate the arguments of ``op`` (before any collective); return the scale and the
-    backend (resolved for q)."""
+    """Validate the arguments of ``op``; return the scale and the backend (resolved for q)."""
     chosen = check_tensor(q, "q", backend)
     for name, t in (("q", q), ("k", k), ("v", v)):
         chosen.check_tensor(t, name)
@@ -417,17 +416,13 @@ def ring_attention(
     Args:
         q: ``[B, Hq, S/N, D]``, this rank's sequence shard (``layout``) on an XLA device.
         k, v: ``[B, Hkv, S/N, D]`` with ``Hq % Hkv == 0`` (grouped-query attention: query head
-            ``h`` uses key/value head ``h // (Hq/Hkv)``, as ``scaled_dot_product_attention``
-            with ``enable_gqa=True``; K/V are not repeated in memory). Heads come *before*
-            the sequence: a ``[B, S/N, H, D]`` tensor (the layout of most projections) is
-            caught only when its shapes contradict (an odd length under ``zigzag``, heads
-            that do not divide); otherwise it runs and is wrong. Pass ``q.transpose(1, 2)``.
-            Nor can the op see which layout the shards were cut in: pass the ``layout`` that
-            :func:`~xla_permute.sequence.shard_sequence` used.
+            ``h`` uses key/value head ``h // (Hq/Hkv)``; K/V are not repeated in memory).
+            Heads come *before* the sequence: a ``[B, S/N, H, D]`` tensor is caught only when
+            its shapes contradict; otherwise it runs and is wrong. Pass ``q.transpose(1, 2)``.
         causal: mask keys after the query's position (global positions, from ``layout``);
             fully masked blocks are skipped.
-        layout: ``"contiguous"`` or ``"zigzag"`` (:func:`xla_permute.shard_sequence`); the
-            latter balances causal work over the ranks.
+        layout: ``"contiguous"`` or ``"zigzag"`` (balances causal work), the one
+            :func:`xla_permute.shard_sequence` cut the shards in (the op cannot see it).
         scale: the score scale, default ``1/sqrt(D)``.
         groups: replica groups of equal size; each is its own ring of ``N = len(group)``
             ranks, and ranks are numbered by their position in the group.
@@ -441,10 +436,9 @@ def ring_attention(
         Empty inputs issue none.
 
     Raises:
-        TypeError, ValueError: bad tensors, dtypes, shapes, ``causal``, ``layout``,
-            ``scale``, ``groups`` or ``backend``, before any collective. Ranks must pass
-            equal shapes and options: checked in debug mode (:mod:`xla_permute.debug`), once,
-            before the ring.
+        TypeError, ValueError: bad tensors, dtypes, shapes, ``causal``, ``layout``, ``scale``,
+            ``groups`` or ``backend``, before any collective (ranks that disagree: in debug
+            mode, :mod:`xla_permute.debug`).
     """
     scale_, chosen = _check(q, k, v, causal, layout, scale, "ring_attention", backend)
     ring = Ring.build(groups, backend=chosen)

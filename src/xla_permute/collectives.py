@@ -37,41 +37,22 @@ from xla_permute.backends.select import CommBackend, check_tensor
 from xla_permute.debug import agree
 from xla_permute.pairs import Groups, GroupsLike, check_dim, check_groups
 
-__all__ = [
-    "all_gather",
-    "all_reduce",
-    "all_reduce_gradients",
-    "reduce_scatter",
-    "sum_gradients",
-]
+__all__ = ["all_gather", "all_reduce", "all_reduce_gradients", "reduce_scatter", "sum_gradients"]
 
 
-class _AllGather(torch.autograd.Function):
+class _Collective(torch.autograd.Function):
+    """``gather``: all-gather, backward a reduce-scatter of the gradient; else the reverse."""
+
     @staticmethod
     def forward(
-        ctx: Any, x: torch.Tensor, dim: int, groups: Groups, backend: CommBackend
+        ctx: Any, x: torch.Tensor, dim: int, groups: Groups, backend: CommBackend, gather: bool
     ) -> torch.Tensor:
-        ctx.dim, ctx.groups, ctx.backend = dim, groups, backend
-        return backend.all_gather(x, dim, groups)
+        ctx.args = dim, groups, backend, not gather
+        return (backend.all_gather if gather else backend.reduce_scatter)(x, dim, groups)
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        back = _ReduceScatter.apply(grad.contiguous(), ctx.dim, ctx.groups, ctx.backend)
-        return back, None, None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(
-        ctx: Any, x: torch.Tensor, dim: int, groups: Groups, backend: CommBackend
-    ) -> torch.Tensor:
-        ctx.dim, ctx.groups, ctx.backend = dim, groups, backend
-        return backend.reduce_scatter(x, dim, groups)
-
-    @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
-        back = _AllGather.apply(grad.contiguous(), ctx.dim, ctx.groups, ctx.backend)
-        return back, None, None, None
+        return _Collective.apply(grad.contiguous(), *ctx.args), None, None, None, None
 
 
 def _begin(
@@ -107,7 +88,7 @@ def all_gather(
     dim, checked, chosen = _begin(x, dim, groups, backend, "all_gather")
     if x.numel() == 0:
         return torch.cat([x] * len(checked[0]), dim)
-    return _AllGather.apply(x, dim, checked, chosen)
+    return _Collective.apply(x, dim, checked, chosen, True)
 
 
 def reduce_scatter(
@@ -125,7 +106,7 @@ def reduce_scatter(
     if x.numel() == 0:
         _, position, _ = chosen.position(checked)
         return x.narrow(dim, position * (x.shape[dim] // n), x.shape[dim] // n)
-    return _ReduceScatter.apply(x, dim, checked, chosen)
+    return _Collective.apply(x, dim, checked, chosen, False)
 
 
 def all_gather_checked(
@@ -133,20 +114,19 @@ def all_gather_checked(
 ) -> torch.Tensor:
     """:func:`all_gather` of arguments an op has checked already (and agreed on in debug
     mode): the baselines of :mod:`xla_permute.matmul` call it after their own boundary."""
-    return _AllGather.apply(x, dim, groups, backend)
+    return _Collective.apply(x, dim, groups, backend, True)
 
 
 def reduce_scatter_checked(
     x: torch.Tensor, dim: int, groups: Groups, backend: CommBackend
 ) -> torch.Tensor:
     """:func:`reduce_scatter` of checked arguments (as :func:`all_gather_checked`)."""
-    return _ReduceScatter.apply(x, dim, groups, backend)
+    return _Collective.apply(x, dim, groups, backend, False)
 
 
 def _sum(x: torch.Tensor, groups: Groups, backend: CommBackend) -> torch.Tensor:
-    """Raw sum over the group: flatten, pad to a multiple of N, reduce-scatter, all-gather.
-    The result is a tensor of its own, not a view of the gathered one (which would outlive
-    the step as a base that only C++ holds: the CPU mesh's compile barrier cannot see it)."""
+    """Raw sum over the group: flatten, pad to a multiple of N, reduce-scatter, all-gather;
+    cloned, not a view of the gathered base (the CPU mesh's compile barrier cannot see it)."""
     n = len(groups[0])
     flat = x.reshape(-1)
     pad = -flat.numel() % n
@@ -184,12 +164,10 @@ class _SumGradients(torch.autograd.Function):
 def sum_gradients(
     x: torch.Tensor, *, groups: GroupsLike = None, backend: str = "auto"
 ) -> torch.Tensor:
-    """Identity forward; backward sums the gradient over ranks.
+    """Identity forward; backward sums the gradient over ranks: ``dx = all_reduce(dy)``.
 
-    For a parameter held whole on every rank but used on a shard of the data (the bias of a
-    sequence-parallel row-parallel layer): each rank's gradient covers its own rows only, and
-    the true gradient is their sum over the group: ``dx = all_reduce(dy)``, the group sum of
-    the module docstring (a reduce-scatter and an all-gather). Per rank: ``x [...] -> [...]``.
+    Per rank: ``x [...] -> [...]``. For a weight held whole but used on a shard of the data
+    (module docstring): each rank's gradient covers its own rows only.
     """
     chosen = check_tensor(x, "x", backend)
     return _SumGradients.apply(x, check_groups(groups, chosen.world_size()), chosen)
@@ -201,12 +179,9 @@ def all_reduce(
     """The sum of every rank's ``x`` over its group, on every rank of the group.
 
     Per rank: ``x [...] -> [...]`` (same shape), ``y = sum_j x_j`` over the group's ranks
-    ``j``. Bitwise the same on every rank of a group. Backward: ``dx = all_reduce(dy)`` (each
-    rank's ``x`` reaches every rank's ``y``). Built from a reduce-scatter and an all-gather of
-    the flattened tensor, padded to a multiple of the group size (module docstring); an empty
-    ``x`` is returned without a collective. ``groups``: replica groups of equal size
-    (:func:`~xla_permute.pairs.check_groups`); None: all ranks. In debug mode the ranks first
-    check that they agree on shape, dtype and groups (:mod:`xla_permute.debug`).
+    ``j``, bitwise the same on every rank of a group (module docstring). Backward: ``dx =
+    all_reduce(dy)``. An empty ``x`` is returned without a collective. In debug mode the ranks
+    first check that they agree (:mod:`xla_permute.debug`).
     """
     chosen = check_tensor(x, "x", backend)
     checked = check_groups(groups, chosen.world_size())
@@ -221,14 +196,11 @@ def all_reduce_gradients(
 ) -> None:
     """Replace each parameter's ``.grad`` with its sum over the group; call after backward.
 
-    For parameters held alike by the ranks of a group that see different data (module
-    docstring): after ``loss.backward()`` each rank's ``p.grad`` covers its own tokens; after
-    this call it is ``sum_j p.grad_j`` over the group, the same bits on every rank, so that
-    the optimizer steps every copy alike. Parameters without a gradient are skipped; every
-    rank must pass the same parameters in the same order, with the same gradients present
-    (checked in debug mode). The gradients of one dtype travel as one flat tensor: one
-    :func:`all_reduce` per dtype, not one per parameter. Not differentiable (it acts on
-    ``.grad``, outside autograd).
+    For parameters held alike by ranks that see different data (module docstring): each
+    ``p.grad`` becomes ``sum_j p.grad_j`` over the group, the same bits on every rank.
+    Parameters without a gradient are skipped; every rank must pass the same parameters in the
+    same order, with the same gradients present (checked in debug mode). One flat
+    :func:`all_reduce` per dtype. Not differentiable (it acts on ``.grad``).
 
     Raises:
         TypeError: ``parameters`` holds something other than tensors; ValueError: bad

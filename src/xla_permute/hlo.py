@@ -227,12 +227,7 @@ def parse(text: str) -> Program:
         names = tuple(re.findall(r"%([\w.\-]+)", operands_text))
         types = tuple(t.strip() for t in re.split(r"%[\w.\-]+,?", operands_text) if t.strip())
         program.instructions[m["name"]] = Instruction(
-            name=m["name"],
-            opcode=m["op"],
-            type=m["type"],
-            operands=names,
-            operand_types=types,
-            attributes=attributes,
+            m["name"], m["op"], m["type"], names, types, attributes
         )
     return program
 
@@ -258,8 +253,7 @@ def trace(tensors: object) -> str:
 
     Call it on a rank of the mesh with tensors built from XLA-device inputs, then discard them
     (no ``torch_xla.sync()`` with them alive). The collectives traced so far are forgotten
-    afterwards (:func:`discard_traced_collectives`): the next traced program stands alone. So
-    the *native* backend's program, which cannot run on the CPU mesh, is read there."""
+    afterwards (:func:`discard_traced_collectives`)."""
     import torch
 
     need_torch_xla("xla_permute.hlo.trace")
@@ -273,12 +267,11 @@ def trace(tensors: object) -> str:
 
 @contextmanager
 def tracing() -> Iterator[None]:
-    """Trace collectives that cannot run here, to read their HLO with
-    :func:`~xla_permute.hlo.trace`.
+    """Trace collectives that cannot run here, to read their HLO with :func:`trace`.
 
     The ops refuse the native backend (``xm.collective_permute``) on the CPU mesh, except in
-    this block: the caller traces what it builds (:func:`trace`) and discards it, never runs
-    it. On leaving, the collectives traced in it are forgotten."""
+    this block, whose tensors the caller traces and discards, never runs. On leaving, the
+    collectives traced in it are forgotten."""
     need_torch_xla("xla_permute.hlo.tracing")
     depth = enter_tracing()
     try:

@@ -78,8 +78,7 @@ def _begin(
     sharded: bool = False,
     bidirectional: bool = False,
 ) -> tuple[int, Ring]:
-    """The op's boundary: check the inputs of ``op`` (x against the backend it resolves to)
-    and return ``dim`` normalised to be non-negative and this rank's ring."""
+    """Check the inputs of ``op``; return ``dim`` (non-negative) and this rank's ring."""
     chosen = check_tensor(x, "x", backend)
     assert isinstance(x, torch.Tensor)
     ring = Ring.build(groups, backend=chosen, bidirectional=bidirectional)
@@ -118,23 +117,9 @@ def _begin(
 def _agree(
     op: str, x: torch.Tensor, ws: list[torch.Tensor], dim: int, ring: Ring, **opts: Any
 ) -> None:
-    """Debug mode (:mod:`xla_permute.debug`): every rank of the world passes the same shapes,
-    dtypes, dim, groups and options, each on its own device; else raise on every rank before
-    the first collective (and before the shortcut for empty inputs)."""
+    """The agreement check (:mod:`xla_permute.debug`), before the shortcut for empty inputs."""
     tensors = {"x": x, "w": ws[0] if len(ws) == 1 else ws}
     agree(op, tensors, {"dim": dim, "groups": ring.groups, **opts}, backend=ring.backend)
-
-
-def _check_chunks(chunks: object, x: torch.Tensor, dim: int) -> None:
-    """``chunks`` is a positive int that divides the rows of x's block along ``dim``."""
-    check_int(chunks, "all_gather_matmul: chunks", 1)
-    if x.shape[dim] % chunks:
-        fits = [c for c in range(2, min(x.shape[dim], 64) + 1) if x.shape[dim] % c == 0][:3]
-        raise ValueError(
-            f"all_gather_matmul: chunks={chunks} does not divide x.shape[{dim}] = "
-            f"{x.shape[dim]}, the rows of each block; use a divisor such as "
-            f"{', '.join(map(str, [1, *fits]))}"
-        )
 
 
 def _empty_or_single(x: torch.Tensor, ws: list[torch.Tensor], ring: Ring) -> bool:
@@ -163,8 +148,7 @@ def all_gather_matmul(
         backend: permute backend, as in :func:`~xla_permute.permute.collective_permute`.
         chunks: send each x block as this many chunks along ``dim`` (a divisor of ``m``), one
             chunk round the whole ring before the next: a rank holds two chunks instead of two
-            blocks, for ``chunks`` times the permutes (each paying its latency; tutorial 06
-            prices it). The backward streams x in chunks too.
+            blocks, for ``chunks`` times the permutes (tutorial 06); the backward too.
 
     Returns:
         ``[..., N*m, F]`` (a tuple of them for a list of weights): block ``j`` along ``dim`` is
@@ -178,7 +162,13 @@ def all_gather_matmul(
     op = "all_gather_matmul"
     ws, single = _as_weights(w, op)
     dim, ring = _begin(op, x, ws, dim, groups, backend, bidirectional=bidirectional)
-    _check_chunks(chunks, x, dim)
+    if x.shape[dim] % check_int(chunks, "all_gather_matmul: chunks", 1):
+        fits = [c for c in range(2, min(x.shape[dim], 64) + 1) if x.shape[dim] % c == 0][:3]
+        raise ValueError(
+            f"all_gather_matmul: chunks={chunks} does not divide x.shape[{dim}] = "
+            f"{x.shape[dim]}, the rows of each block; use a divisor such as "
+            f"{', '.join(map(str, [1, *fits]))}"
+        )
     opts = {"bidirectional": bool(bidirectional), "backend": ring.backend.name, "chunks": chunks}
     _agree(op, x, ws, dim, ring, **opts)
     n = ring.size
@@ -208,9 +198,8 @@ def matmul_reduce_scatter(
         dim: the dimension to scatter; ``x.shape[dim]`` must divide by N; not the last.
         bidirectional: one partial sum travels each way: ``N//2 + 1`` steps instead of N.
         reduce_dtype: dtype of the travelling partial sums
-            (:func:`~xla_permute.reference.accumulation_dtype`): float32 for half-precision
-            inputs by default; ``x.dtype`` sends the baseline's
-            bytes (half of float32's) at the price of rounding at every hop.
+            (:func:`~xla_permute.reference.accumulation_dtype`); ``x.dtype`` sends the
+            baseline's bytes (half of float32's) at the price of rounding at every hop.
         groups: replica groups; each is a ring in its listed order (module docstring).
         backend: permute backend, as in :func:`~xla_permute.permute.collective_permute`.
 

@@ -5,18 +5,12 @@ tensor; a rank that is no pair's target receives zeros. With ``groups`` the pair
 group-local and apply inside every group. The per-rank input and output have the same shape
 and dtype.
 
-Backends (:mod:`xla_permute.backends.select`):
-
-* ``"native"``: ``xm.collective_permute``, one HLO ``collective-permute`` (TPU, Neuron); on
-  the CPU mesh only traced, inside :func:`xla_permute.hlo.tracing` (it raises otherwise);
-* ``"emulated"``: the same result from a channel-id all-gather and a per-rank select. It moves
-  N times the data of a permute and exists for the CPU mesh, where collectives without a channel
-  id (``xm.collective_permute`` among them) cannot run;
-* ``"c10d"``: ``torch.distributed`` point-to-point (``batch_isend_irecv``) between processes,
-  asynchronous (:mod:`xla_permute.backends.c10d`): CPU tensors with gloo; CUDA with NCCL
-  (untested here);
-* ``"auto"``: ``c10d`` when ``torch.distributed`` is initialized and ``x`` is not an XLA
-  tensor; else ``emulated`` on the XLA CPU backend, ``native`` elsewhere.
+Backends (:mod:`xla_permute.backends.select`): ``"native"``, ``xm.collective_permute`` (TPU,
+Neuron; on the CPU mesh only traced, inside :func:`xla_permute.hlo.tracing`); ``"emulated"``, a
+channel-id all-gather and a per-rank select, N times a permute's data, for the CPU mesh where
+collectives without a channel id cannot run; ``"c10d"``, ``torch.distributed`` point-to-point
+between processes, asynchronous; ``"auto"``: ``c10d`` when ``torch.distributed`` is initialized
+and ``x`` is not an XLA tensor, else ``emulated`` on the XLA CPU backend, ``native`` elsewhere.
 
 Backward: the permute of the gradient with the inverse pairs, ``grad_x = permute(grad_y,
 inverse_pairs(pairs))``; a rank whose value went nowhere gets a zero gradient.
@@ -83,10 +77,8 @@ class PermuteWork:
 
 
 def permute_checked(x: torch.Tensor, pairs: Pairs, backend: CommBackend) -> PermuteWork:
-    """Post the permute of ``x`` with checked global ``pairs`` on ``backend``: no checks.
-
-    For code that checked its arguments already (an op's boundary); returns the work.
-    """
+    """Post the permute of ``x`` with checked global ``pairs`` on ``backend``, checking
+    nothing (an op's boundary did); returns the work."""
     x = x.contiguous()
     return PermuteWork(x, backend.send(x.detach(), pairs), pairs, backend)
 
@@ -127,8 +119,7 @@ def collective_permute(
         ValueError: ``x`` is not on a device of the backend (an XLA tensor on c10d, a CPU
             tensor without a process group, another rank's XLA device), or bad ids,
             duplicates, groups or backend, or ``backend="native"`` on the CPU mesh outside
-            :func:`xla_permute.hlo.tracing`. Every check runs before any collective is
-            issued; the message names the offending value and what is allowed.
+            :func:`xla_permute.hlo.tracing`; before any collective.
         xla_permute.debug.DisagreementError: in debug mode (:mod:`xla_permute.debug`), on
             every rank, when the ranks pass different shapes, dtypes, pairs, groups or
             backends.

@@ -70,11 +70,6 @@ def pipeline_groups(world_size: int, stages: int | None = None) -> tuple[tuple[i
     return tuple(tuple(range(g, g + stages)) for g in range(0, world_size, stages))
 
 
-# --------------------------------------------------------------------------------------------
-# The tick loop
-# --------------------------------------------------------------------------------------------
-
-
 def pipeline_forward(
     stage: Callable[[torch.Tensor], torch.Tensor],
     inputs: torch.Tensor,
@@ -109,10 +104,8 @@ def pipeline_forward(
 
     Raises:
         TypeError: ``stage`` is not callable, ``wrap`` no bool (or None), ``stages`` no int.
-        ValueError: ``inputs`` is not on this rank's XLA device or is 0-d, ``stages``
-            does not divide the world size, ``backend`` is unknown, or the stage changes the
-            shape. Both are raised before any collective is issued, with the fix in the
-            message.
+        ValueError: ``inputs`` is not on this rank's XLA device or is 0-d, ``stages`` does not
+            divide the world size, ``backend`` is unknown, or the stage changes the shape.
     """
     if not callable(stage):
         raise TypeError(f"stage must be a callable x -> y, got {type(stage).__name__}")

@@ -35,18 +35,6 @@ from xla_permute.pipeline.schedule import Cell, Overlap, PipelineSchedule, Work,
 
 __all__ = ["SCHEDULES", "make_schedule", "split_layers", "theory_bubble_fraction"]
 
-#: Every schedule :func:`make_schedule` builds.
-SCHEDULES: tuple[str, ...] = (
-    "gpipe",
-    "1f1b",
-    "interleaved",
-    "looped_bfs",
-    "zbh1",
-    "zb1p",
-    "zbv",
-    "dualpipev",
-)
-
 
 def _gpipe(p: int, m: int, v: int) -> list[list[Cell]]:
     return [
@@ -261,6 +249,8 @@ _ORDERS = {
     "zbv": _zbv,
     "dualpipev": _dualpipev,
 }
+#: Every schedule :func:`make_schedule` builds.
+SCHEDULES: tuple[str, ...] = tuple(_ORDERS)
 _MULTI = {"interleaved", "looped_bfs", "zb1p"}  # any number of stages per rank
 _V = {"zbv", "dualpipev"}  # two stages per rank, in a V
 

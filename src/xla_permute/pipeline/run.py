@@ -173,20 +173,16 @@ def pipeline_step(
     accumulate into the stages' parameters (``.grad``), as ``loss.backward()`` would: zero
     them between steps as usual (``optimizer.zero_grad()``).
 
-    Each rank runs its own column of the schedule (per tick a forward ``F``, a backward ``B``,
-    an input gradient ``I``, a weight gradient ``W``, or nothing) and every rank issues the
-    same shifts in the same order: after a tick, one :func:`~xla_permute.pipeline.shift.stage_shift`
-    ``+1`` when some rank hands on to the next rank, one ``-1`` when some rank hands back. A
-    rank idle in that tick still takes part (it sends zeros). ``I`` is
-    ``torch.autograd.grad(y, x, dy, retain_graph=True)`` (the stage input's gradient, the
-    graph kept); ``W`` later backpropagates the same ``dy`` into the stage's parameters (the
-    leaves of the graph other than ``x``), without running the forward again.
+    Each rank runs its column of the schedule; after a tick every rank issues one
+    :func:`~xla_permute.pipeline.shift.stage_shift` ``+1`` when some rank hands on, one ``-1``
+    when some rank hands back (an idle rank sends zeros). ``I`` is ``torch.autograd.grad(y, x,
+    dy, retain_graph=True)``; ``W`` later backpropagates the same ``dy`` into the stage's
+    parameters, without running the forward again.
 
-    Shaped like a model's: stage 0 takes a micro-batch ``inputs[i]`` (token ids, say), every
-    stage hands the next an ``activation`` of one declared shape and dtype, and the last
-    stage's output (logits, say) goes to ``loss_fn`` with ``targets[i]``. Every rank checks
-    its own stages against the declaration before any collective, and all ranks must declare
-    the same (the debug mode compares them).
+    Stage 0 takes a micro-batch ``inputs[i]`` (token ids, say), every stage hands the next an
+    ``activation`` of one declared shape and dtype, the last stage's output goes to
+    ``loss_fn`` with ``targets[i]``. Each rank checks its stages against the declaration before
+    any collective; all ranks must declare the same (the debug mode compares them).
 
     Args:
         modules: this rank's stage ``y = module(x)``, or the list of its stages in model order
@@ -221,11 +217,10 @@ def pipeline_step(
         TypeError: ``modules``, ``loss_fn``, ``inputs``, ``targets`` or ``activation`` of the
             wrong kind.
         ValueError: a bad schedule or combination (several stages per rank with a schedule of
-            one, interleaved with ``M < p``, ``wrap=False`` where the ring is needed), before
-            any collective, on every rank alike; a stage that does not return the declared
-            activation, or a ``loss_fn`` that fails on the last stage's output, on the rank
-            that holds it, before any collective (in the debug mode the other ranks raise
-            :class:`~xla_permute.debug.DisagreementError` instead of waiting for it).
+            one, interleaved with ``M < p``, ``wrap=False`` where the ring is needed), on every
+            rank; a stage that does not return the declared activation, or a ``loss_fn`` that
+            fails on the last stage's output, on its rank (in debug mode the others raise
+            :class:`~xla_permute.debug.DisagreementError`). All before any collective.
     """
     stage_fns = _check_modules(modules)
     if not callable(loss_fn):

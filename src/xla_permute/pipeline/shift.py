@@ -20,11 +20,9 @@ Per rank, for a group of ``n`` ranks and rank ``r`` in it::
     y_r = x_{(r - offset) mod n}  otherwise, ring form
     y_r = 0                       otherwise, open chain
 
-Backward: the opposite shift of the gradient, in the same form,
-``grad_x = stage_shift(grad_y, offset=-offset)``; it is the autograd of
-:func:`~xla_permute.permute.collective_permute` (the permute with the inverse pairs). In the open
-chain the last ranks' ``x`` went nowhere and gets a zero gradient. The pure-torch reference, on
-a virtual mesh, is :func:`xla_permute.reference.stage_shift`.
+Backward: the opposite shift of the gradient, in the same form (the inverse pairs),
+``grad_x = stage_shift(grad_y, offset=-offset)``; in the open chain the last ranks' ``x`` went
+nowhere and gets a zero gradient. The reference: :func:`xla_permute.reference.stage_shift`.
 
 >>> shift_pairs(4, 1, wrap=False)
 ((0, 1), (1, 2), (2, 3))
@@ -54,13 +52,7 @@ from xla_permute.pairs import (
 )
 from xla_permute.permute import collective_permute
 
-__all__ = [
-    "check_offset",
-    "checked_shifts",
-    "resolve_wrap",
-    "shift_pairs",
-    "stage_shift",
-]
+__all__ = ["check_offset", "checked_shifts", "resolve_wrap", "shift_pairs", "stage_shift"]
 
 
 def check_offset(offset: object, group_size: int) -> int:
@@ -187,14 +179,12 @@ def stage_shift(
 
     Raises:
         TypeError: ``x`` is no tensor, ``offset`` no int or ``wrap`` no bool (or None).
-        ValueError: ``x`` is not on a device of the backend, ``offset`` is 0 or not smaller than the
-            group, or ``groups`` or ``backend`` is bad. Both are raised before any collective
-            is issued, with the fix in the message.
+        ValueError: ``x`` is not on a device of the backend, ``offset`` is 0 or not smaller than
+            the group, or ``groups`` or ``backend`` is bad; before any collective.
 
-    Every rank must call it, with the same arguments, and use the result (a rank that drops it
-    would drop the collective from its program and leave the others waiting); the debug mode
-    (:mod:`xla_permute.debug`) checks the arguments. An empty ``x`` gives the empty result
-    without a collective.
+    Every rank must call it with the same arguments (checked in :mod:`xla_permute.debug` mode)
+    and use the result (else its program drops the collective the others wait for). An empty
+    ``x`` gives the empty result without a collective.
     """
     chosen = check_tensor(x, "x", backend)
     _check_wrap(wrap)
