@@ -150,7 +150,7 @@ def _meet(
 ) -> None:
     mesh_status.enter("barrier", meeting=key[0], **fields)
     missing = rendezvous.wait(key, rank, WAIT_S, last)
-    mesh_status.enter("sync", alone=missing)
+    mesh_status.enter("sync", alone=missing)  # the diagnosis names them
 
 
 def compile_wait_run(rendezvous: Rendezvous, rank: int, device: torch.device) -> None:

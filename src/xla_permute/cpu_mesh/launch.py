@@ -41,6 +41,7 @@ from typing import Any
 
 import cloudpickle
 
+from xla_permute.backends.xla import need_torch_xla
 from xla_permute.cpu_mesh import rank_output
 from xla_permute.cpu_mesh import status as mesh_status
 from xla_permute.cpu_mesh.barrier import BARRIER_ENV, WAIT_S
@@ -313,6 +314,7 @@ def run_on_mesh(
         RankError: a rank raised; the message names the rank and the original error,
             which is also ``__cause__``.
     """
+    need_torch_xla("run_on_mesh (the CPU mesh)")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
     if not timeout > 0:
