@@ -405,15 +405,20 @@ CAVEATS: tuple[Caveat, ...] = (
             "2-layer Llama's step took 77 s on rank 0 beside three other compiles at load 6."
         ),
         library_action=(
-            "run_on_mesh compiles with LLVM's optimizer off (--xla_backend_optimization_level=0 "
-            "unless XLA_FLAGS sets the level) and its MeshError names the ranks that were still "
-            "compiling. Keep per-rank data as device data (shard on the host, then .to(device)) "
-            "so that the ranks' programs are identical, and keep a development mesh's machine "
-            "free of other compiles."
+            "the mesh's compile barrier (xla_permute.cpu_mesh.barrier, on by default, "
+            "XLA_PERMUTE_COMPILE_BARRIER=0 turns it off): a rank that called a collective since "
+            "its last sync compiles its step, waits for the others, then runs it, so no rank "
+            "reaches a collective while another still compiles; a rank that syncs with nothing "
+            "pending does not wait; one that has not come after 120 s leaves the others to go "
+            "on, and the MeshError says so, with each rank's compile time. It covers "
+            "torch_xla.sync() and xm.mark_step(), not a value read with .cpu() or .item() "
+            "before the sync. run_on_mesh also compiles with LLVM's optimizer off "
+            "(--xla_backend_optimization_level=0 unless XLA_FLAGS sets the level)."
         ),
         sources=("https://github.com/openxla/xla/blob/main/xla/service/rendezvous.cc",),
         evidence=(
-            "tests/test_launch.py checks the diagnosis on a recorded abort; the compile times "
+            "tests/test_compile_barrier.py: a rank that reaches its sync 20 s after the others "
+            "aborts the mesh with the barrier off and passes with it on; the compile times "
             "above were read from torch_xla's own log (TF_CPP_VMODULE=xla_graph_executor=4)"
         ),
     ),
@@ -432,12 +437,20 @@ CAVEATS: tuple[Caveat, ...] = (
         library_action=(
             "every public op raises CompileError on every rank before any collective, naming "
             "the op. Compile only the math around the ops, or run eagerly: torch_xla's lazy "
-            "tensors compile each step into one XLA program at torch_xla.sync() anyway."
+            "tensors compile each step into one XLA program at torch_xla.sync() anyway. On the "
+            "CPU mesh, local math compiles when each rank has its own copy of the function "
+            "(defined in the cell or script that calls run_on_mesh); the device process makes "
+            "torch_xla's dynamo bridge wait for the rank's own device (it waited for every "
+            "device: another rank inside a collective, an abort after 15 s) and lets one rank "
+            "at a time into it. Not fixed: a backward through a compiled graph, traced on "
+            "several rank threads at once, fails in torch's global tracing state (an FX "
+            "assertion); keep the compiled part's backward eager on the mesh."
         ),
         sources=("https://docs.pytorch.org/xla/master/perf/dynamo.html",),
         evidence=(
             "tests/test_mesh_programs.py compiles collective_permute, all_gather_matmul and "
-            "ColumnParallelLinear (forward and backward) on the 4-device mesh"
+            "ColumnParallelLinear (forward and backward) on the 4-device mesh; "
+            "tests/test_compile_barrier.py compiles an RMSNorm before and after an all-gather"
         ),
     ),
     Caveat(

@@ -151,7 +151,7 @@ def fit_torch_compile() -> None:
     would hand one rank's graph to the others, which torch_xla's bridge does not survive (an
     FX assertion): refused here by name. The rank's status says ``torch.compile`` meanwhile.
     Not fixed: a graph with a backward, traced by AOT autograd on several ranks at once, races
-    in torch's global tracing state (caveat ``torch-compile-threads``).
+    in torch's global tracing state (caveat ``torch-compile``).
     """
     dynamo_bridge.xm = _OwnDeviceWait(dynamo_bridge.xm)
     extract, owners, turn = core_bridge.extract_compiled_graph, {}, threading.Lock()
