@@ -86,20 +86,24 @@ def test_torch_compile_of_local_math_around_a_collective_equals_eager():
             torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
 
 
-def _shared_compiled_norm() -> None:
+def _shared_norm(compile_it: bool) -> torch.Tensor:
+    """The norm imported from a module (the rank threads share its code) around a gather."""
     import torch_xla
+    import torch_xla.runtime as xr
 
-    x = torch.ones(4, 8, device=torch_xla.device())
-    torch.compile(_shared_rms, backend="openxla")(x)
+    x = (torch.arange(32.0).reshape(4, 8) / 8 + xr.global_ordinal()).to(torch_xla.device())
+    norm = torch.compile(_shared_rms, backend="openxla") if compile_it else _shared_rms
+    return norm(xp.all_gather(norm(x), dim=0)).cpu()
 
 
 def _shared_rms(x: torch.Tensor) -> torch.Tensor:
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6)
 
 
-def test_torch_compile_of_a_function_the_ranks_share_is_refused_by_name():
-    with pytest.raises(xp.RankError, match="the ranks share the compiled function"):
-        xp.run_on_mesh(_shared_compiled_norm, n=N)
+def test_torch_compile_of_a_function_the_ranks_share_equals_eager():
+    eager = xp.run_on_mesh(_shared_norm, False, n=N)
+    for e, c in zip(eager, xp.run_on_mesh(_shared_norm, True, n=N), strict=True):
+        torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
 
 
 def test_the_ranks_meet_by_key_and_a_late_one_is_left_behind():

@@ -146,31 +146,21 @@ def fit_torch_compile() -> None:
     torch_xla 2.9's dynamo bridge waits for the sync it starts with by
     ``xm.wait_device_ops()`` with no device list: every device of the process, including
     another rank's inside a collective that waits for this rank, and XLA:CPU aborts after
-    15 s. Here it waits for the rank's own device. A compiled graph is one rank's: a function
-    that the rank threads share (one from an imported module; dynamo caches by code object)
-    would hand one rank's graph to the others, which torch_xla's bridge does not survive (an
-    FX assertion): refused here by name. The rank's status says ``torch.compile`` meanwhile.
-    Not fixed: a graph with a backward, traced by AOT autograd on several ranks at once, races
-    in torch's global tracing state (caveat ``torch-compile``).
+    15 s. Here it waits for the rank's own device; and the bridge, which keeps global state
+    (its counters) and rewrites the graph it is given, takes one rank at a time (ranks
+    compiling at once failed in it). The rank's status says ``torch.compile`` meanwhile. Not
+    fixed: a graph with a backward, traced by AOT autograd on several ranks at once, fails in
+    torch's global tracing state (caveat ``torch-compile``).
     """
     dynamo_bridge.xm = _OwnDeviceWait(dynamo_bridge.xm)
-    extract, owners, turn = core_bridge.extract_compiled_graph, {}, threading.Lock()
+    extract, turn = core_bridge.extract_compiled_graph, threading.Lock()
 
-    def extract_compiled_graph(model: Any, *args: Any, **kwargs: Any) -> Any:
-        with turn:
-            owner = owners.setdefault(id(model), xr.global_ordinal())
-        if owner != xr.global_ordinal():
-            raise RuntimeError(
-                f"torch.compile on the CPU mesh: rank {xr.global_ordinal()} was given the graph "
-                f"rank {owner} compiled, because the ranks share the compiled function (one "
-                f"imported from a module); define the function in the notebook cell or script "
-                f"that calls run_on_mesh (each rank then unpickles its own copy)"
-            )
+    def extract_compiled_graph(*args: Any, **kwargs: Any) -> Any:
         torch_xla.sync()  # before the turn: a rank that holds it never waits at the barrier
         mesh_status.enter("torch.compile")
         try:
             with turn:  # the bridge keeps global state (its counters): one rank at a time
-                return extract(model, *args, **kwargs)
+                return extract(*args, **kwargs)
         finally:
             mesh_status.enter("run")
 
