@@ -48,16 +48,9 @@ from xla_permute.backends.tracing import is_tracing
 from xla_permute.pairs import see
 
 __all__ = [
-    "ENV",
-    "LEVELS",
-    "DisagreementError",
-    "agree",
-    "check_level",
-    "debug_mode",
-    "describe_disagreement",
-    "on_op",
-    "signature",
-]
+    "ENV", "LEVELS", "DisagreementError", "agree", "check_level", "debug_mode",
+    "describe_disagreement", "on_op", "signature",
+]  # fmt: skip
 
 #: The environment variable of the check level (``1`` every call, ``0`` or unset sampled,
 #: ``none`` off; the level names ``every``, ``sampled``, ``off`` work too).

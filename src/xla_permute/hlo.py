@@ -33,17 +33,9 @@ from xla_permute.backends.tracing import enter_tracing, leave_tracing
 from xla_permute.backends.xla import need_torch_xla
 
 __all__ = [
-    "COLLECTIVE_KINDS",
-    "Collective",
-    "Instruction",
-    "Program",
-    "bytes_sent_per_rank",
-    "discard_traced_collectives",
-    "parse",
-    "shape_bytes",
-    "trace",
-    "tracing",
-]
+    "COLLECTIVE_KINDS", "Collective", "Instruction", "Program", "bytes_sent_per_rank",
+    "discard_traced_collectives", "parse", "shape_bytes", "trace", "tracing",
+]  # fmt: skip
 
 COLLECTIVE_KINDS = (
     "all-gather",

@@ -13,9 +13,8 @@ to block ``r - t - 1`` (mod N) and passes the sum on; bidirectional: one sum tra
 the two meet at their block. The partial sums travel in
 :func:`~xla_permute.reference.accumulation_dtype`.
 
-The rings iterate over these schedules, and the docs draw them, so the figure is the schedule
-that runs. What the rings do besides the pages' loops (tutorial 03) is in one section at the
-end: XLA:CPU's read ordering and the eager (c10d) writes.
+The rings iterate over these schedules, the docs draw them. What the rings do besides the
+pages' loops (tutorial 03) is in the last section: XLA:CPU's read ordering, the eager writes.
 
 >>> [s.blocks for s in all_gather_schedule(4, rank=1)]
 [(1,), (0,), (3,), (2,)]
@@ -43,11 +42,9 @@ class RingStep:
     """One step on one rank.
 
     ``blocks``: the block ids this rank multiplies at this step, one per direction (``+1``
-    first). For all-gather-matmul a block id is the rank whose x block is multiplied; for
-    matmul-reduce-scatter it is the output block whose partial sum gets this rank's
-    contribution. ``sends``: the directions (``+1`` = to rank r+1, ``-1`` = to r-1) of the
-    permutes issued at this step; they carry this step's blocks (or sums) to the next step and
-    are not inputs of this step's matmuls.
+    first): the rank whose x block is multiplied (all-gather-matmul), or the output block whose
+    partial sum gets this rank's contribution (matmul-reduce-scatter). ``sends``: the
+    directions (``+1`` = to rank r+1) of the permutes issued at this step, for the next step.
     """
 
     step: int

@@ -109,12 +109,8 @@ class Mesh2D:
                 f"{self!r}); pad the sequence to a multiple of {need}"
             )
         cp_shards = shard_sequence(x, dim=dim, n=self.cp, layout=layout)
-        pieces = [
-            shard_sequence(cp_shards[c], dim=dim, n=self.tp)[t]
-            for c in range(self.cp)
-            for t in range(self.tp)
-        ]
-        return torch.stack(pieces)
+        pieces = [shard_sequence(shard, dim=dim, n=self.tp) for shard in cp_shards]
+        return torch.cat(pieces)
 
     def unshard_sequence(
         self, shards: torch.Tensor | Sequence[torch.Tensor], *, dim: int, layout: str = "zigzag"

@@ -25,21 +25,10 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 __all__ = [
-    "ERRORS_PAGE",
-    "Decomposition",
-    "PairsLike",
-    "check_dim",
-    "check_groups",
-    "check_int",
-    "check_pairs",
-    "decompose",
-    "forms_complete_rings",
-    "global_pairs",
-    "inverse_pairs",
-    "is_ring",
-    "ring_pairs",
-    "source_of",
-]
+    "ERRORS_PAGE", "Decomposition", "PairsLike", "check_dim", "check_groups", "check_int",
+    "check_pairs", "decompose", "forms_complete_rings", "global_pairs", "inverse_pairs",
+    "is_ring", "ring_pairs", "source_of",
+]  # fmt: skip
 
 Pair = tuple[int, int]
 Pairs = tuple[Pair, ...]
@@ -67,10 +56,8 @@ def check_int(
     fix: str | None = None,
 ) -> int:
     """``value`` as an int (a numpy or torch integer scalar too; a bool is not one) with
-    ``minimum <= value < below``.
-
-    Raises TypeError (not an int) or ValueError (out of range), naming ``name``, the range and,
-    when given, the ``fix``. The one int check of the package.
+    ``minimum <= value < below``; else TypeError or ValueError naming ``name``, the range and
+    the ``fix``. The one int check of the package.
 
     >>> check_int(3, "n", 1)
     3

@@ -19,22 +19,14 @@ import torch
 from xla_permute.pairs import GroupsLike, PairsLike, global_pairs
 
 __all__ = [
-    "accumulation_dtype",
-    "all_gather",
-    "all_gather_matmul",
-    "matmul_reduce_scatter",
-    "permute",
-    "reduce_scatter",
-    "stage_shift",
-]
+    "accumulation_dtype", "all_gather", "all_gather_matmul", "matmul_reduce_scatter",
+    "permute", "reduce_scatter", "stage_shift",
+]  # fmt: skip
 
 
 def accumulation_dtype(dtype: torch.dtype, reduce_dtype: torch.dtype | None = None) -> torch.dtype:
-    """The dtype sums are accumulated in (and partial sums travel in): the one rule of the
-    package, used by the rings, ring attention, this reference and the cost model.
-
-    ``reduce_dtype`` if given, else float32 for half-precision inputs (bfloat16, float16) and
-    ``dtype`` otherwise.
+    """The dtype sums are accumulated (and partial sums travel) in, the package's one rule:
+    ``reduce_dtype`` if given, else float32 for half-precision inputs, else ``dtype``.
 
     >>> accumulation_dtype(torch.bfloat16), accumulation_dtype(torch.bfloat16, torch.bfloat16)
     (torch.float32, torch.bfloat16)
@@ -63,11 +55,7 @@ def permute(xs: torch.Tensor, pairs: PairsLike, groups: GroupsLike = None) -> to
 
 
 def stage_shift(
-    xs: torch.Tensor,
-    offset: int = 1,
-    *,
-    wrap: bool,
-    groups: GroupsLike = None,
+    xs: torch.Tensor, offset: int = 1, *, wrap: bool, groups: GroupsLike = None
 ) -> torch.Tensor:
     """A stage shift: ``out[r] = xs[r - offset]``; the ends get zeros, or wrap with ``wrap``.
 
@@ -106,10 +94,7 @@ def all_gather_matmul(xs: torch.Tensor, ws: torch.Tensor, dim: int) -> torch.Ten
 
 
 def matmul_reduce_scatter(xs: torch.Tensor, ws: torch.Tensor, dim: int) -> torch.Tensor:
-    """``out = ReduceScatter(xs[r] @ ws[r], dim)``: the partial products summed and split.
-
-    Multiplied and summed in :func:`accumulation_dtype` (float32 for half-precision inputs)
-    and rounded once.
-    """
+    """``out = ReduceScatter(xs[r] @ ws[r], dim)``: the partial products summed and split, in
+    :func:`accumulation_dtype`, rounded once."""
     acc = accumulation_dtype(xs.dtype)
     return reduce_scatter(_matmul(xs.to(acc), ws.to(acc)), dim).to(xs.dtype)

@@ -18,15 +18,6 @@ from xla_permute.pipeline.schedule import Overlap, PipelineSchedule, Work
 from xla_permute.pipeline.shift import stage_shift
 
 __all__ = [
-    "SCHEDULES",
-    "Overlap",
-    "PipelineSchedule",
-    "PipelineStep",
-    "Work",
-    "make_schedule",
-    "pipeline_forward",
-    "pipeline_groups",
-    "pipeline_step",
-    "split_layers",
-    "stage_shift",
-]
+    "SCHEDULES", "Overlap", "PipelineSchedule", "PipelineStep", "Work", "make_schedule",
+    "pipeline_forward", "pipeline_groups", "pipeline_step", "split_layers", "stage_shift",
+]  # fmt: skip

@@ -275,14 +275,8 @@ def pipeline_step(
             _probe(schedule, stage_fns, loss_fn, inputs, targets, position, between)
         except ValueError as e:
             error = e
-    options = {
-        "activation": (between[0], str(between[1])),
-        "ranks": p,
-        "stages_per_rank": v,
-        "schedule": name,
-        "wrap": wrap,
-        "backend": comm.name,
-    }
+    options = {"activation": (between[0], str(between[1])), "ranks": p, "stages_per_rank": v}
+    options |= {"schedule": name, "wrap": wrap, "backend": comm.name}
     tensors = {"inputs": inputs, "targets": targets}
     agree("pipeline_step", tensors, options, backend=comm, error=error)
     if schedule is None:  # no micro-batch: nothing flows, no collective (ranks agree)

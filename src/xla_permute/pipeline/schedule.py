@@ -43,15 +43,7 @@ from typing import Literal
 
 from xla_permute.pairs import check_int
 
-__all__ = [
-    "Cell",
-    "Overlap",
-    "PipelineSchedule",
-    "Send",
-    "Work",
-    "play",
-    "units",
-]
+__all__ = ["Cell", "Overlap", "PipelineSchedule", "Send", "Work", "play", "units"]
 
 Kind = Literal["F", "B", "I", "W"]
 Placement = Literal["loop", "v"]

@@ -44,11 +44,8 @@ PositionFn = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Te
 def kv_head_groups(
     heads: int, kv_heads: int, world_size: int, groups: GroupsLike = None
 ) -> list[list[int]] | None:
-    """The ranks that hold the same key/value head, as replica groups (None: one rank each).
-
-    ``heads``, ``kv_heads``: the layer's query and key/value head counts; ``world_size``: the
-    tensor-parallel group size; ``groups``: the tensor-parallel groups (None: ranks
-    ``0 ... world_size-1``). Raises ValueError for head counts the ranks cannot split.
+    """The ranks that hold the same key/value head, as replica groups (None: one rank each),
+    in the tensor-parallel ``groups`` of ``world_size``. ValueError for counts that do not split.
 
     >>> kv_head_groups(8, 2, 4), kv_head_groups(8, 4, 4)
     ([[0, 1], [2, 3]], None)
@@ -114,11 +111,8 @@ class ParallelAttention(nn.Module):
     ) -> ParallelAttention:
         """This rank's heads of the attention whose projections are the ``nn.Linear`` layers
         ``q, k, v, o`` (``kv_heads``: ``heads`` when None; ``head_dim``: ``q``'s rows per head).
-
-        ``options``: the attention's own (``position_fn``, ``causal``, ``returns_weights``,
-        ``context_groups``, ``layout``, as the class takes them) and the layers' (``strategy``,
-        ``dim``, ``groups``, ``backend``, ``world_size``, ``rank``, ... of
-        :class:`~xla_permute.ColumnParallelLinear`), the same for all four projections.
+        ``options``: the class's keywords and the layers' (``strategy``, ``dim``, ``groups``, ...
+        of :class:`~xla_permute.ColumnParallelLinear`), the same for all four projections.
         """
         own = ("position_fn", "causal", "returns_weights", "context_groups", "layout")
         attention = {a: options.pop(a) for a in own if a in options}

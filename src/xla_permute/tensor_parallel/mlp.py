@@ -100,12 +100,7 @@ class GatedMLP(nn.Module):
 
     @classmethod
     def from_mlp(
-        cls,
-        gate: nn.Linear,
-        up: nn.Linear,
-        down: nn.Linear,
-        activation: Gate = swiglu,
-        **kw: Any,
+        cls, gate: nn.Linear, up: nn.Linear, down: nn.Linear, activation: Gate = swiglu, **kw: Any
     ) -> Self:
         """This rank's shard of ``down(activation(gate(x), up(x)))`` on one device (each
         weight sharded on its own: rank r holds rows ``r*ffn/N ...`` of gate and of up)."""

@@ -86,11 +86,9 @@ class VocabParallelEmbedding(nn.Module):
         y = nn.functional.embedding(local, self.weight, padding_idx=padding)
         y = y * mine.unsqueeze(-1).to(y.dtype)
         comm = dict(groups=self.groups, backend=self.backend)
-        return (
-            reduce_replicated(y, **comm)
-            if self.dim is None
-            else reduce_scatter(y, self.dim, **comm)
-        )
+        if self.dim is None:
+            return reduce_replicated(y, **comm)
+        return reduce_scatter(y, self.dim, **comm)
 
     def extra_repr(self) -> str:
         rows = f"rows {self.start}..{self.start + self.weight.shape[0]} of {self.num_embeddings}"
