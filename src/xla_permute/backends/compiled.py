@@ -42,14 +42,14 @@ def check_not_compiling(op: str | None = None) -> None:
     import torch
 
     if torch.compiler.is_compiling() or _in_compiled_frame():
-        frame = sys._getframe(1)
-        if op is None:  # the first public function of this package on the stack
-            while frame.f_back is not None and (
-                frame.f_code.co_name.startswith("_")
-                or frame.f_globals.get("__name__") == "xla_permute.backends.select"
-            ):
-                frame = frame.f_back
-            op = frame.f_code.co_name
+        frame, outer = sys._getframe(1), None
+        while frame is not None:  # the user's call: the package's outermost frame
+            name = frame.f_globals.get("__name__", "")
+            public = not frame.f_code.co_name.startswith("_")
+            if name.startswith("xla_permute.") and public and ".cpu_mesh." not in name:
+                outer = frame.f_code.co_qualname
+            frame = frame.f_back
+        op = outer or op
         raise CompileError(
             f"{op} was called inside torch.compile, which this package does not support: its "
             f"collectives keep per-rank state that Dynamo cannot trace. Call it outside the "
