@@ -156,3 +156,14 @@ def test_the_diagnosis_names_compiles_barrier_and_a_rank_left_behind(tmp_path):
         f"Rank 0 ran its step without rank 3, which had not reached the compile barrier "
         f"after {WAIT_S:g} s" in text
     ), text
+
+
+def test_a_torch_xla_without_the_calls_the_barrier_needs_is_named_at_start(monkeypatch):
+    import torch_xla
+
+    from xla_permute.cpu_mesh import barrier
+
+    monkeypatch.delattr(torch_xla._XLAC, "_run_cached_graph")
+    with pytest.raises(RuntimeError, match=f"lacks; run with {BARRIER_ENV}=0") as raised:
+        barrier.install(N)
+    assert "_run_cached_graph" in str(raised.value)
