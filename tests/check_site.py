@@ -692,9 +692,7 @@ class _Text(HTMLParser):
 
 #: A caveat shown in full (xla_permute_tools.tables.caveat_entries, or a caveat's rows as a
 #: table): the text of its "what goes wrong" entry, the line after the label or on it.
-_CAVEAT_BODY = re.compile(
-    r"^[ \t]*what goes wrong:?\s*([^\n]{20,})\n\s*this package", re.I | re.M
-)
+_CAVEAT_BODY = re.compile(r"^[ \t]*what goes wrong:?\s*([^\n]{20,})\n\s*this package", re.I | re.M)
 
 
 def caveat_problems(files: list[Path], root: Path) -> list[str]:
