@@ -53,7 +53,7 @@ for _env in (os.environ, TUTORIAL_ENV):
 #: doctests); test_docs's builds execute the pages, which run the mesh.
 NEEDS_TORCH_XLA = {
     "*": "bench_attention collectives debug_mesh matmul matmul_fused matmul_groups reliability "
-    "tracing training training_probes warm compile_barrier",
+    "tracing training training_probes warm compile_barrier bench_barrier",
     "attention": "bad_inputs_raise_before empty_inputs_issue forward_and_backward "
     "groups_are_rings native_hlo",
     "bench": "all_gather_matmul_sends emulated_results matmul_reduce_scatter_sends memory_comes "

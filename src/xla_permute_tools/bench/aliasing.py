@@ -36,8 +36,11 @@ __all__ = ["aliasing_rank", "format_aliasing_report", "program_bytes", "run_alia
 DEFAULT = {"hidden": 256, "ffn": 1024, "seq": 128, "batch": 2, "warmup": 2, "steps": 5}
 
 
-def aliasing_rank(cfg: dict[str, int], state: dict[str, Any], reset_token: bool) -> list[float]:
-    """Rank function: ``warmup + steps`` AdamW steps; the wall time of each timed step."""
+def aliasing_rank(
+    cfg: dict[str, int], state: dict[str, Any], reset_token: bool, losses: list | None = None
+) -> list[float]:
+    """Rank function: ``warmup + steps`` AdamW steps; the wall time of each timed step (and
+    each step's loss appended to ``losses``, if given)."""
     import time
 
     import torch
@@ -64,8 +67,10 @@ def aliasing_rank(cfg: dict[str, int], state: dict[str, Any], reset_token: bool)
         if reset_token:  # the deadlock's workaround that keeps aliasing on
             torch_xla._XLAC._set_all_reduce_token(str(device), None)
         torch_xla.sync()
-        loss.cpu()  # waits for this rank's step
+        value = loss.cpu()  # waits for this rank's step
         times.append(time.perf_counter() - start)
+        if losses is not None:
+            losses.append(float(value.detach()))
     return times[cfg["warmup"] :]
 
 

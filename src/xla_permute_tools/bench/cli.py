@@ -59,6 +59,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="instead: a training step with parameter aliasing off (the mesh's default) and on",
     )
     parser.add_argument(
+        "--barrier",
+        action="store_true",
+        help="instead: a training loop and a tensor-parallel Llama with the mesh's compile "
+        "barrier on (the default) and off",
+    )
+    parser.add_argument(
         "--pipeline", action="store_true",
         help="instead: step time of every pipeline schedule side by side on -n gloo processes",
     )  # fmt: skip
@@ -113,6 +119,14 @@ def run_from_args(args: argparse.Namespace) -> int:
         if args.json:
             Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
         return 0
+    if getattr(args, "barrier", False):
+        from xla_permute_tools.bench.barrier import format_barrier_report, run_barrier_bench
+
+        result = run_barrier_bench(config.n)
+        print(format_barrier_report(result))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+        return int(any(p["losses_equal"] is False for p in result["programs"].values()))
     if getattr(args, "attention", False):
         from xla_permute_tools.bench.attention import format_attention_report, run_attention_bench
 
