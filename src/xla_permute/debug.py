@@ -19,11 +19,10 @@ How often is the check level (:data:`LEVELS`), set by ``XLA_PERMUTE_DEBUG`` or, 
   process of :func:`xla_permute.run_on_mesh` (the CPU mesh, where programs are written).
 * ``"off"`` (``XLA_PERMUTE_DEBUG=none``): no check at all, to measure what the checks cost.
 
-A check is one small all-gather (``backend.gather_rows``) of the call's text, ``name=value``
-lines, as :data:`SIGNATURE_INTS` int32 values (one length for every call: the all-gather
-itself must agree; Neuron takes no 64-bit collectives), executed at once in a program of its
-own, never part of the traced program; inside :func:`xla_permute.hlo.tracing` it is skipped.
-Only the forward of an op is checked: its backward follows from it.
+A check is one small all-gather (``backend.gather_rows``) of the call's ``name=value`` lines
+as :data:`SIGNATURE_INTS` int32 values (one length for every call; Neuron takes no 64-bit
+collectives), run at once in a program of its own; inside :func:`xla_permute.hlo.tracing` it
+is skipped. Only the forward of an op is checked: its backward follows from it.
 
 >>> rows = [signature("op", {"x.shape": s}) for s in [(2, 3), (3, 3)]]
 >>> describe_disagreement(rows)
@@ -186,12 +185,10 @@ def agree(
     rank unless all ranks pass the same (if this call is checked at this rank's level).
 
     ``tensors``: name -> a tensor (its ``name.shape`` and ``name.dtype`` are compared), or a
-    list of tensors (their shapes, and the first one's dtype). ``options``: name -> what every
-    rank must pass alike. Call it after the argument checks and before the first collective
-    (and before any shortcut that skips it, such as an empty tensor). ``error``: a check that
-    failed on this rank alone (by default a tensor not on this rank's device,
-    ``backend.device_error``): this rank joins the check, then raises ``error``; the others
-    raise :class:`DisagreementError` instead of waiting for it in the collective.
+    list of tensors (their shapes, the first one's dtype). ``options``: name -> what every rank
+    must pass alike. Call it before the first collective and any shortcut that skips it.
+    ``error``: a check that failed on this rank alone (by default ``backend.device_error``):
+    this rank joins the check, then raises it; the others raise :class:`DisagreementError`.
     """
     check_not_compiling(op)
     if _op_hook is not None:

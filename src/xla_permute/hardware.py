@@ -2,8 +2,7 @@
 
 The native backend calls :func:`check_device_pairs` for every permute and
 :func:`check_not_spmd` whenever an op looks up its place; :func:`~xla_permute.stage_shift`
-asks :func:`requires_complete_rings`. It needs :mod:`xla_permute.pairs` only, never
-``torch_xla``. A :class:`ValueError` when the collective cannot run (the message has the fix),
+asks :func:`requires_complete_rings`. A :class:`ValueError` when the collective cannot run,
 a :class:`HardwareWarning` when it runs but may not mean what XLA says. A device type without
 rules here (CPU, TPU, a PJRT plugin) runs any partial permutation. The caveats behind the
 rules, with their sources, are the workshop's catalog (``python -m xla_permute doctor``).

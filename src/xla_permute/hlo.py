@@ -107,11 +107,9 @@ class Instruction:
 
 @dataclass(frozen=True)
 class Collective:
-    """A collective op as the evidence needs it.
-
-    ``operand_bytes`` is what one rank puts in (one shard for an all-gather, the full partial
-    sum for a reduce-scatter); ``result_bytes`` what it gets out.
-    """
+    """A collective op as the evidence needs it: ``operand_bytes`` is what one rank puts in
+    (one shard for an all-gather, the full partial sum for a reduce-scatter), ``result_bytes``
+    what it gets out."""
 
     name: str
     kind: str
@@ -195,12 +193,9 @@ class Program:
         return other in self._ancestors[name]
 
     def independent_of(self, name: str, opcode: str = "dot") -> list[str]:
-        """The ``opcode`` instructions that neither use ``name`` nor feed it.
-
-        For a collective, these are the ops that may run while it is in flight: a collective
-        matmul's permute of step t has the dot of step t (and earlier ones) here; the
-        all-gather of the baseline has none, because its one dot waits for it.
-        """
+        """The ``opcode`` instructions that neither use ``name`` nor feed it: for a collective,
+        the ops that may run while it is in flight (a collective matmul's permute of step t has
+        the dot of step t here; the baseline's all-gather none, its one dot waits for it)."""
         return [
             i.name
             for i in self.ops(opcode)
@@ -228,12 +223,9 @@ def parse(text: str) -> Program:
 
 
 def discard_traced_collectives() -> None:
-    """Forget the collectives traced on this rank so far (their tensors must be discarded).
-
-    torch_xla threads a token through every collective, so a program traced after another
-    would contain the first one's collectives too. This resets the token, as
-    ``xm.set_replication`` does, so that the next traced program stands alone.
-    """
+    """Forget the collectives traced on this rank so far (their tensors must be discarded):
+    reset the token torch_xla threads through every collective, as ``xm.set_replication``
+    does, so that the next traced program does not contain the last one's collectives too."""
     import torch_xla
     import torch_xla.core.xla_model as xm
 

@@ -38,9 +38,8 @@ def check_layout(layout: object) -> str:
 
 
 def layout_chunks(n: int, rank: int, layout: str) -> tuple[int, ...]:
-    """The global chunk ids rank ``rank`` of ``n`` holds, in local order.
-
-    ``"contiguous"`` counts ``n`` chunks, ``"zigzag"`` ``2n``.
+    """The global chunk ids rank ``rank`` of ``n`` holds, in local order (of ``n`` chunks for
+    ``"contiguous"``, ``2n`` for ``"zigzag"``).
 
     >>> layout_chunks(4, 1, "contiguous"), layout_chunks(4, 1, "zigzag")
     ((1,), (1, 6))
@@ -64,9 +63,7 @@ def shard_sequence(
     x: torch.Tensor, *, dim: int, n: int, layout: str = "contiguous"
 ) -> torch.Tensor:
     """Split ``x`` along ``dim`` into ``n`` shards in ``layout``; returns ``[n, *shard_shape]``.
-
-    ``x.shape[dim]`` must divide by ``n`` (``"contiguous"``) or ``2n`` (``"zigzag"``).
-    """
+    ``x.shape[dim]`` must divide by ``n`` (``"contiguous"``) or ``2n`` (``"zigzag"``)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
     check_int(n, "n (the number of ranks)", 1)

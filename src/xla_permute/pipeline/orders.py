@@ -240,15 +240,9 @@ def _dualpipev(p: int, m: int, v: int) -> list[list[Cell]]:
 
 
 _ORDERS = {
-    "gpipe": _gpipe,
-    "1f1b": _one_f_one_b,
-    "interleaved": _interleaved,
-    "looped_bfs": _looped_bfs,
-    "zbh1": _zero_bubble,
-    "zb1p": _zero_bubble,
-    "zbv": _zbv,
-    "dualpipev": _dualpipev,
-}
+    "gpipe": _gpipe, "1f1b": _one_f_one_b, "interleaved": _interleaved, "looped_bfs": _looped_bfs,
+    "zbh1": _zero_bubble, "zb1p": _zero_bubble, "zbv": _zbv, "dualpipev": _dualpipev,
+}  # fmt: skip
 #: Every schedule :func:`make_schedule` builds.
 SCHEDULES: tuple[str, ...] = tuple(_ORDERS)
 _MULTI = {"interleaved", "looped_bfs", "zb1p"}  # any number of stages per rank

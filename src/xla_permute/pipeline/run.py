@@ -137,11 +137,9 @@ def _probe(schedule, modules, loss_fn, inputs, targets, position, activation) ->
                         f"scalar tensor) per micro-batch: reduce it with .sum() or .mean()"
                     )
             elif not isinstance(y, torch.Tensor) or tuple(y.shape) != shape or y.dtype != dtype:
-                got = (
-                    f"shape {tuple(y.shape)} and dtype {y.dtype}"
-                    if isinstance(y, torch.Tensor)
-                    else type(y).__name__
-                )
+                got = type(y).__name__
+                if isinstance(y, torch.Tensor):
+                    got = f"shape {tuple(y.shape)} and dtype {y.dtype}"
                 raise ValueError(
                     f"stage module {c} (stage {k}) returned {got} for an input of shape "
                     f"{tuple(x.shape)} and dtype {x.dtype}; every stage but the last must return "

@@ -11,18 +11,14 @@ A unit of :class:`Work` is one micro-batch on one stage: its forward ``F``, its 
 or the backward split in two, ``I`` (the input gradient, which the previous stage waits for)
 and ``W`` (the weight gradient, which nobody waits for, so a schedule may run it later). One
 *tick* is one cell per rank: a unit, an :class:`Overlap` (DualPipeV: a forward and a backward
-of two stages in one tick) or nothing (the bubble). After a tick every unit hands its output on:
-a forward its activation to the next stage, a ``B`` or ``I`` the input gradient to the previous
-one. A hand-off to another rank goes ``+1`` or ``-1`` ranks; all of a tick's hand-offs one way
-are **one** :func:`~xla_permute.pipeline.shift.stage_shift` (two tensors from one rank the same
-way, as in an overlapped tick of DualPipeV, travel stacked in that one permute); a hand-off that
-stays on its rank (the V's turn) is no shift at all.
+of two stages in one tick) or nothing (the bubble). After a tick a forward hands its activation
+to the next stage, a ``B`` or ``I`` the input gradient to the previous one: all of a tick's
+hand-offs one way (``+1`` or ``-1`` ranks) are **one**
+:func:`~xla_permute.pipeline.shift.stage_shift` (two tensors from one rank travel stacked); a
+hand-off that stays on its rank (the V's turn) is no shift at all.
 
-Each schedule is each rank's **order** of work (the policy, in
-:mod:`xla_permute.pipeline.orders`) played out tick by tick: a rank runs its next cell as soon
-as its inputs arrived (a forward needs the previous stage's forward one tick earlier; ``B`` or
-``I`` the next stage's ``B`` or ``I`` one tick earlier, or, on the last stage, its own forward;
-``W`` its own ``I``). Every unit takes one tick. Counted from the data:
+Each schedule is each rank's **order** of work (:mod:`xla_permute.pipeline.orders`) played
+out tick by tick (:func:`play`), every unit one tick. Counted from the data:
 :attr:`~PipelineSchedule.idle_ticks` (the bubble) and :attr:`~PipelineSchedule.peak_in_flight`
 (the activations a rank holds: a forward adds one, ``B`` or ``W`` frees it; ``I`` keeps it for
 ``W``).
@@ -251,7 +247,9 @@ def play(
     orders: list[list[Cell]],
     placement: Placement = "loop",
 ) -> PipelineSchedule:
-    """Play each rank's order out tick by tick, every cell as early as its inputs allow.
+    """Play each rank's order out tick by tick, every cell as early as its inputs allow (a
+    forward the previous stage's forward, ``B`` or ``I`` the next stage's ``B`` or ``I`` or, on
+    the last stage, its own forward, ``W`` its own ``I``, each one tick earlier).
 
     ``orders[r]``: rank ``r``'s cells in the order it runs them (``None`` entries are
     dropped). Raises RuntimeError for orders that wait for each other forever.

@@ -21,9 +21,8 @@ column layer is a local matmul (backward: ``dx`` summed over ranks), the row lay
 ``bidirectional``: both ways round), ``"baseline"`` (the blocking collective, then the matmul)
 or ``"xla"`` (the baseline's collectives in the form the TPU compiler rewrites into its own
 collective matmul, given the TPU recipe's environment; the reduce-scatter in the input dtype,
-as the upstream PoC). The workshop's cost model advises one (tutorial 08); no layer asks. The
-group and this rank's place in it are resolved once, when the layer is built: from the running
-mesh or process group, or given (``world_size=``, ``rank=``) outside a rank.
+as the upstream PoC; the cost model advises, tutorial 08). The group and this rank's place in
+it are resolved when the layer is built (given as ``world_size=``, ``rank=`` outside a rank).
 """
 
 from __future__ import annotations

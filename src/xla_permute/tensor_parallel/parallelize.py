@@ -327,14 +327,9 @@ def _fuse_gated_mlps(
         gate, up, down = (new.get(p) for p in parts)
         columns = isinstance(gate, ColumnParallelLinear) and isinstance(up, ColumnParallelLinear)
         hf = name not in chosen and _is_hugging_face(mlp) and hasattr(mlp, "act_fn")
-        if (
-            hf
-            and columns
-            and isinstance(down, RowParallelLinear)
-            and gate.dim is not None
-            and gate.dim == up.dim == down.dim
-            and not (gate.gather_output or up.gather_output)
-        ):
+        chain = columns and isinstance(down, RowParallelLinear) and gate.dim is not None
+        gathered = chain and (gate.gather_output or up.gather_output)
+        if hf and chain and gate.dim == up.dim == down.dim and not gathered:
             new[name] = GatedMLP(gate, up, down, partial(_act_times, mlp.act_fn))
             for p in parts:
                 del new[p]
