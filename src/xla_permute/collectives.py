@@ -59,9 +59,7 @@ def _begin(
     x: object, dim: object, groups: GroupsLike, backend: str, op: str, scatter: bool = False
 ) -> tuple[Any, ...]:
     """The op's boundary (``scatter``: ``x.shape[dim]`` must divide by the group size):
-    ``(dim, checked groups, backend)``, after the agreement check
-    (:mod:`xla_permute.debug`: every rank passes the same shape, dtype, dim and groups, and
-    its own device; else every rank raises before the collective)."""
+    ``(dim, checked groups, backend)``, after the agreement check (:mod:`xla_permute.debug`)."""
     chosen = check_tensor(x, "x", backend)
     assert isinstance(x, torch.Tensor)
     dim, checked = check_dim(dim, x.shape, op=op), check_groups(groups, chosen.world_size())

@@ -102,10 +102,8 @@ def collective_permute(
             numpy ``(k, 2)`` integer array or a 2-column integer tensor.
         groups: replica groups that partition the ranks, all of one size; ``pairs`` are then
             group-local and apply in every group. ``None``: one group of all ranks.
-        backend: ``"native"``, ``"emulated"``, ``"c10d"`` or ``"auto"`` (module docstring).
-            The native backend also applies the hardware's rules to the pairs, which may
-            raise or warn (:func:`xla_permute.hardware.check_device_pairs`: open chains on
-            Neuron).
+        backend: ``"native"``, ``"emulated"``, ``"c10d"`` or ``"auto"`` (module docstring);
+            native also applies :func:`xla_permute.hardware.check_device_pairs` to the pairs.
         async_op: return a :class:`PermuteWork` at once (as ``torch.distributed``'s
             ``async_op=True``); its ``wait()`` gives the result. On c10d the transfer runs
             meanwhile; on XLA the result is lazy anyway.

@@ -8,9 +8,8 @@ into pipelines. The training step of any schedule is
 A pipeline of ``S`` stages runs one stage per rank. ``M`` micro-batches flow through it in
 ``M + S - 1`` forward *ticks*: at tick ``t`` stage ``s`` works on micro-batch ``t - s`` (when
 ``0 <= t - s < M``, else it idles), then every stage hands its activation to the next stage at
-once with one :func:`~xla_permute.pipeline.shift.stage_shift`. The backward is autograd through the
-same ticks in reverse: the backward of each shift is the opposite shift, so the gradients flow back
-stage by stage without any code of ours.
+once with one :func:`~xla_permute.pipeline.shift.stage_shift`; the gradients flow back through
+the same ticks in reverse.
 
 SPMD: every rank runs the same tick loop and issues the same shifts in the same order (the
 lazy-tensor rule: a collective that one rank leaves out of its program blocks the others).
@@ -99,8 +98,7 @@ def pipeline_forward(
     Returns:
         ``(M, *shape)``: on the last stage, the pipeline's output for every micro-batch
         (``stage_{S-1}(... stage_0(inputs[m]))``); zeros on the other stages. Backward:
-        through :func:`~xla_permute.pipeline.shift.stage_shift`, whose backward is the opposite
-        shift.
+        autograd, each shift's the opposite shift.
 
     Raises:
         TypeError: ``stage`` is not callable, ``wrap`` no bool (or None), ``stages`` no int.

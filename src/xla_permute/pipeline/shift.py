@@ -56,10 +56,8 @@ __all__ = ["check_offset", "checked_shifts", "resolve_wrap", "shift_pairs", "sta
 
 
 def check_offset(offset: object, group_size: int) -> int:
-    """Raise unless ``offset`` is a usable shift for groups of ``group_size`` ranks.
-
-    A shift moves every value ``offset`` ranks ahead (negative: back), so ``offset`` must be a
-    nonzero int with ``|offset| < group_size``.
+    """``offset``, a shift ahead (negative: back) in groups of ``group_size`` ranks, if it is a
+    nonzero int with ``|offset| < group_size``; else raise.
 
     >>> check_offset(-3, 4)
     -3
