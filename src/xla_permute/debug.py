@@ -88,11 +88,10 @@ def check_level() -> str:
 @contextmanager
 def debug_mode(level: str = "every") -> Iterator[None]:
     """Check the collectives in the block at ``level``: ``"every"`` call (the debug mode, the
-    default), ``"sampled"`` (each op's 1st, 2nd, 4th, ... call) or ``"off"`` (no check, to
-    measure what the checks cost).
+    default), ``"sampled"`` (each op's 1st, 2nd, 4th, ... call) or ``"off"`` (no check).
 
-    Call it on the rank (inside the function given to :func:`xla_permute.run_on_mesh`), on
-    every rank alike; it holds for this rank's thread and overrides ``XLA_PERMUTE_DEBUG``.
+    Call it on every rank alike, inside the rank function; it holds for this rank's thread and
+    overrides ``XLA_PERMUTE_DEBUG``.
     """
     if level not in LEVELS:
         raise ValueError(f"debug_mode takes a level of {LEVELS}, got {level!r}")

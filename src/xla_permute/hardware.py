@@ -121,11 +121,8 @@ def check_not_spmd(
 ) -> None:
     """Refuse ``op`` (the collectives of this package) in torch_xla's SPMD mode: ValueError.
 
-    In SPMD mode one program runs on every device and ``xr.world_size()`` is 1, so an op
-    written for one program per device would see a single rank: its permutes would send to
-    itself and its all-gathers gather one block, silently. Inside a manual-sharding region
-    (torch_xla's experimental ``_shard_map``) ``xm.collective_permute`` aborts the process
-    and ``xm.all_reduce`` is dropped (caveat ``spmd-manual-collectives``).
+    There ``xr.world_size()`` is 1: an op would silently see a single rank. Inside
+    ``_shard_map`` ``xm.collective_permute`` aborts (caveat ``spmd-manual-collectives``).
 
     >>> check_not_spmd(environ={"XLA_USE_SPMD": "1"})
     Traceback (most recent call last):
