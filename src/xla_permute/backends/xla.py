@@ -217,7 +217,9 @@ class _Emulated(_Xla):
         source = source_of(pairs, self.rank())
         index = torch.tensor([world_size if source is None else source]).to(x.device)
         padded = torch.cat([gathered, torch.zeros_like(gathered[:1])])
-        return Ready(padded.index_select(0, index).squeeze(0))
+        # A tensor of its own: a view of the selected row would keep that row, and the
+        # all-gather, pending past the sync (the CPU mesh's compile barrier cannot see it).
+        return Ready(padded.index_select(0, index).squeeze(0).clone())
 
 
 _NATIVE, _EMULATED = _Native(), _Emulated()

@@ -137,6 +137,8 @@ def _pending(device: torch.device) -> list[list[torch.Tensor]]:
                 found.append(o)
         except RuntimeError:  # a tensor without a device (an undefined tensor)
             continue
+    # a gradient that autograd wrote and nobody read yet has no Python object: ask for it
+    found += [t.grad for t in found if t.is_leaf and t.requires_grad and t.grad is not None]
     need = torch_xla._XLAC._check_tensor_need_materialization(found) if found else []
     pending: dict[int, list[torch.Tensor]] = {}
     for t, n in zip(found, need, strict=True):
