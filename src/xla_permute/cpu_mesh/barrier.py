@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 
+from xla_permute.backends.tracing import is_tracing
 from xla_permute.cpu_mesh import status as mesh_status
 
 __all__ = ["BARRIER_ENV", "WAIT_S", "Rendezvous", "compile_wait_run", "install"]
@@ -191,7 +192,8 @@ def compile_wait_run(rendezvous: Rendezvous, rank: int, device: torch.device) ->
 
 def _noting(call: Callable[..., Any]) -> Callable[..., Any]:
     def collective(*args: Any, **kwargs: Any) -> Any:
-        _local.collective = True
+        # one traced to read its HLO never runs (xla_permute.hlo.tracing): no meeting for it
+        _local.collective = _local.__dict__.get("collective", False) or not is_tracing()
         return call(*args, **kwargs)
 
     return collective
