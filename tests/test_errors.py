@@ -45,6 +45,7 @@ def test_every_entry_the_library_names_is_on_the_page():
     # the library's own refusals whose cause the page explains all name their entry
     assert {"pairs", "neuron-rings", "spmd", "plan", "disagreement", "compile"} <= named
     assert {"native-on-cpu", "no-torch-xla", "outside-rank"} <= named
+    assert {"mesh-abort", "rank-error", "cannot-send"} <= named
 
 
 def test_the_messages_end_with_their_entry_and_match_it():

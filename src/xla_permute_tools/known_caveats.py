@@ -397,6 +397,7 @@ CAVEATS: tuple[Caveat, ...] = (
             "each rank of the CPU mesh compiles its own program, and a rank that finishes "
             "compiling more than 15 s after another aborts the mesh at the first collective"
         ),
+        messages=(RENDEZVOUS_TIMEOUT,),
         what_goes_wrong=(
             "XLA:CPU matches a collective's ranks in an in-process rendezvous that gives up 15 s "
             "after the first rank arrives (hard-coded). The ranks compile the same step "
@@ -427,6 +428,9 @@ CAVEATS: tuple[Caveat, ...] = (
         applies_to=("*",),
         severity="error",
         summary="the ops of this package do not run under torch.compile; they refuse at once",
+        messages=(
+            "Failed to get computation by hash ... Maybe the entry get kicked out of the LRU cache",
+        ),
         what_goes_wrong=(
             "Dynamo cannot trace the host state the ops keep per rank (channel ids, the "
             "collective token, the agreement checks: torch_xla._XLAC calls). Under "

@@ -46,7 +46,7 @@ from xla_permute.cpu_mesh import rank_output
 from xla_permute.cpu_mesh import status as mesh_status
 from xla_permute.cpu_mesh.barrier import BARRIER_ENV, WAIT_S
 from xla_permute.debug import ENV as DEBUG_ENV
-from xla_permute.pairs import check_int
+from xla_permute.pairs import check_int, see
 
 __all__ = ["LAUNCHER_ENV", "MeshError", "RankError", "mesh_environment", "run_on_mesh"]
 
@@ -260,8 +260,12 @@ def _serialise_call(fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[
     for what, value in suspects:
         why = _why_not(value)
         if why is not None:
-            raise TypeError(f"{what} cannot be sent to the device process: {why}") from cause
-    raise TypeError(f"the call of {name} cannot be sent to the device process: {cause}") from cause
+            raise TypeError(
+                f"{what} cannot be sent to the device process: {why}{see('cannot-send')}"
+            ) from cause
+    raise TypeError(
+        f"the call of {name} cannot be sent to the device process: {cause}{see('cannot-send')}"
+    ) from cause
 
 
 # --------------------------------------------------------------------------- the launch
@@ -341,7 +345,7 @@ def run_on_mesh(
             tail = "\n".join(err.strip().splitlines()[-25:]) or "(empty)"
             raise MeshError(
                 f"The {n}-device mesh running {name} {how}. {_diagnose(err, tmp, n)}"
-                f"{_MISMATCH_HINT}\n--- device process stderr (tail) ---\n{tail}"
+                f"{_MISMATCH_HINT}{see('mesh-abort')}\n--- device process stderr (tail) ---\n{tail}"
             ) from None
         status, value = pickle.loads(result_path.read_bytes())
     if status == "ok":
@@ -349,7 +353,10 @@ def run_on_mesh(
     if status == "rank-error":
         rank, type_name, message, tb, original = value
         raise RankError(
-            rank, f"rank {rank} of {n} raised {type_name}: {message}\n{tb}", original
+            rank,
+            f"rank {rank} of {n} raised {type_name}: {message}"
+            f"{'' if '#error-' in message else see('rank-error')}\n{tb}",
+            original,
         ) from original
     raise MeshError(f"The {n}-device mesh could not start {name}:\n{value}")
 
