@@ -2,9 +2,9 @@
 
 The evidence that a collective matmul is what it claims (N-1 collective-permutes, no
 all-gather, no step's dot waiting on the permute issued in the same step) is in the program
-XLA receives. Get that text on a rank with :func:`trace` (traced, nothing executed; inside
-:func:`tracing` for collectives that cannot run here) and read it with :func:`parse`; what one
-rank sends for a collective is :func:`bytes_sent_per_rank`.
+XLA receives. Get that text on a rank with :func:`~xla_permute.hlo.trace` (traced, nothing
+executed; inside :func:`tracing` for collectives that cannot run here) and read it with
+:func:`parse`; what one rank sends for a collective is :func:`bytes_sent_per_rank`.
 
 >>> text = '''
 ... ENTRY %m (p0: f32[4,8]) -> f32[4,8] {
@@ -251,7 +251,7 @@ def trace(tensors: object) -> str:
 
 @contextmanager
 def tracing() -> Iterator[None]:
-    """Trace collectives that cannot run here, to read their HLO with :func:`trace`.
+    """Trace collectives that cannot run here, to read their HLO (:func:`~xla_permute.hlo.trace`).
 
     The ops refuse the native backend (``xm.collective_permute``) on the CPU mesh, except in
     this block, whose tensors the caller traces and discards, never runs. On leaving, the

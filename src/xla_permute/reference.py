@@ -95,6 +95,6 @@ def all_gather_matmul(xs: torch.Tensor, ws: torch.Tensor, dim: int) -> torch.Ten
 
 def matmul_reduce_scatter(xs: torch.Tensor, ws: torch.Tensor, dim: int) -> torch.Tensor:
     """``out = ReduceScatter(xs[r] @ ws[r], dim)``: the partial products summed and split, in
-    :func:`accumulation_dtype`, rounded once."""
+    :func:`~xla_permute.reference.accumulation_dtype`, rounded once."""
     acc = accumulation_dtype(xs.dtype)
     return reduce_scatter(_matmul(xs.to(acc), ws.to(acc)), dim).to(xs.dtype)

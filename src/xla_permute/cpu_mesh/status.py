@@ -29,9 +29,9 @@ from typing import Any
 
 __all__ = ["STATES", "enter", "leave_sync", "note_op", "read", "set_rank", "start"]
 
-#: What a rank can be doing: in Python; inside ``torch_xla.sync()`` (compiling and dispatching);
-#: compiling its step for the compile barrier; waiting there for the other ranks; inside
-#: torch.compile's XLA bridge (xla_permute.cpu_mesh.barrier).
+#: The states of a rank, in order (in Python; inside ``torch_xla.sync()``, compiling and
+#: dispatching; compiling its step for the compile barrier; waiting there for the other
+#: ranks; inside torch.compile's XLA bridge), see xla_permute.cpu_mesh.barrier.
 STATES = ("run", "sync", "compile", "barrier", "torch.compile")
 
 _directory: Path | None = None

@@ -18,7 +18,8 @@ hand-offs one way (``+1`` or ``-1`` ranks) are **one**
 hand-off that stays on its rank (the V's turn) is no shift at all.
 
 Each schedule is each rank's **order** of work (:mod:`xla_permute.pipeline.orders`) played
-out tick by tick (:func:`play`), every unit one tick. Counted from the data:
+out tick by tick (:func:`~xla_permute.pipeline.schedule.play`), every unit one tick. Counted
+from the data:
 :attr:`~PipelineSchedule.idle_ticks` (the bubble) and :attr:`~PipelineSchedule.peak_in_flight`
 (the activations a rank holds: a forward adds one, ``B`` or ``W`` frees it; ``I`` keeps it for
 ``W``).
