@@ -60,8 +60,8 @@ class Caveat:
         return "\n".join(lines)
 
     def rows(self) -> list[tuple[str, str]]:
-        """This caveat as ``(label, text)`` rows, its sources as Markdown links: a notebook
-        shows them with ``figures.caveat_table(caveat)`` (:mod:`xla_permute_tools.figures`).
+        """This caveat as ``(label, text)`` rows, its sources as Markdown links: page 04 shows
+        them with ``figures.caveat_entries`` (:mod:`xla_permute_tools.figures`).
 
         >>> from xla_permute_tools.catalog import caveats
         >>> cpu = {c.id: c for c in caveats("CPU")}

@@ -42,7 +42,6 @@ from xla_permute_tools.tables import (  # noqa: F401  (figures.rank_table, .tabl
     Table,
     caveat_anchor,
     caveat_entries,
-    caveat_table,
     describe,
     rank_table,
     table,

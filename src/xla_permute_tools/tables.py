@@ -21,7 +21,6 @@ __all__ = [
     "Table",
     "caveat_anchor",
     "caveat_entries",
-    "caveat_table",
     "describe",
     "rank_table",
     "table",
@@ -173,18 +172,6 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], align: str = ""
                 f"table: row {i} has {len(row)} cells for {len(columns)} columns {list(columns)}"
             )
     return Table(columns, cells, align)
-
-
-def caveat_table(caveat: Caveat) -> Table:
-    """One hardware caveat (:class:`xla_permute_tools.caveat.Caveat`) as a two-column table: its
-    id and severity over its rows (:meth:`~xla_permute_tools.caveat.Caveat.rows`).
-
-    >>> from xla_permute_tools.catalog import caveats
-    >>> cpu = {c.id: c for c in caveats("CPU")}
-    >>> str(caveat_table(cpu["cpu-channel-ids"])).split()[:2]
-    ['`cpu-channel-ids`', 'error']
-    """
-    return table([f"`{caveat.id}`", caveat.severity], caveat.rows())
 
 
 def caveat_anchor(caveat_id: str) -> str:
