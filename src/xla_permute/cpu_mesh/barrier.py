@@ -16,7 +16,8 @@ meetings (rank programs are SPMD: the k-th collective step of one rank meets the
 others); a rank that has not arrived after :data:`WAIT_S` seconds leaves the others to go on
 alone, and their status lines say so (:mod:`xla_permute.cpu_mesh.status`). The barrier covers
 ``torch_xla.sync()`` and ``xm.mark_step()``; a value read with ``.cpu()`` or ``.item()`` before
-the sync runs its graph outside it.
+the sync runs its graph outside it, and so does the base of a view kept past the sync when
+only C++ holds the base (the walk cannot see it): the package's ops return tensors of their own.
 """
 
 from __future__ import annotations
