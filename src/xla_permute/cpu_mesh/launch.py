@@ -318,13 +318,13 @@ def run_on_mesh(
         RankError: a rank raised; the message names the rank and the original error,
             which is also ``__cause__``.
     """
-    need_torch_xla("run_on_mesh (the CPU mesh)")
     if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
         raise TypeError(f"timeout must be a number of seconds, got {timeout!r}")
     if not timeout > 0:
         raise ValueError(f"timeout must be > 0 seconds, got {timeout!r}")
     environment = mesh_environment(n, env)
     payload = _serialise_call(fn, args, kwargs)
+    need_torch_xla("run_on_mesh (the CPU mesh)")  # after the checks of the arguments
     _check_runtime_not_started()
     name = getattr(fn, "__qualname__", None) or repr(fn)
     with tempfile.TemporaryDirectory(prefix="xla_permute_mesh_") as tmp:
