@@ -48,6 +48,15 @@ class ErrorEntry:
 
 
 #: Every entry of the errors page in its order, the library's errors first, then XLA's.
+#: The caveats behind a rendezvous abort, shared by its two entries (the abort, the message).
+_RENDEZVOUS_CAVEATS = (
+    "cpu-channel-ids",
+    "cpu-thread-pool",
+    "param-aliasing-deadlock",
+    "empty-sync-device-lock",
+    "compile-skew-rendezvous",
+)
+
 ERRORS: tuple[ErrorEntry, ...] = (
     ErrorEntry(
         "disagreement",
@@ -73,13 +82,7 @@ ERRORS: tuple[ErrorEntry, ...] = (
         "The ...-device mesh running ... was killed by SIGABRT before returning results. "
         "Diagnosis: XLA:CPU aborted an ...",
         "xp.MeshError from run_on_mesh",
-        caveats=(
-            "cpu-channel-ids",
-            "cpu-thread-pool",
-            "param-aliasing-deadlock",
-            "empty-sync-device-lock",
-            "compile-skew-rendezvous",
-        ),
+        caveats=_RENDEZVOUS_CAVEATS,
         cause="the device process died, most often XLA:CPU's abort of a collective that not "
         "every rank reached within 15 s; the diagnosis names the collective, the ranks that "
         "waited and where the others were",
@@ -167,13 +170,7 @@ ERRORS: tuple[ErrorEntry, ...] = (
         "termination-timeout",
         RENDEZVOUS_TIMEOUT,
         "XLA:CPU's log, then SIGABRT (from run_on_mesh: MeshError)",
-        caveats=(
-            "cpu-channel-ids",
-            "cpu-thread-pool",
-            "param-aliasing-deadlock",
-            "empty-sync-device-lock",
-            "compile-skew-rendezvous",
-        ),
+        caveats=_RENDEZVOUS_CAVEATS,
     ),
     ErrorEntry(
         "computation-hash",
