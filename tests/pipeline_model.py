@@ -4,7 +4,7 @@ A stage is ``relu(x @ w1 + b1) @ w2 + b2`` with parameters in {-1, 0, 1}; inputs
 are small integers and the loss is linear, so every value of the forward and the backward is an
 integer far below 2**24 and the pipeline must equal one device **exactly**. Also here: reading
 torch_xla's send/recv code path (with ``ast``) and counting a step's programs from their HLO.
-tutorials/05_pipeline_parallelism.md defines the same model on its page.
+tutorials/06_pipeline_parallelism.md defines the same model on its page.
 """
 
 from __future__ import annotations

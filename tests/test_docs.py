@@ -23,7 +23,7 @@ def built_site(tmp_path_factory):
     tmp_path = tmp_path_factory.mktemp("site")
     cmd = [sys.executable, "-m", "sphinx", "-n", "-W", "--keep-going", "-q", "-b", "html"]
     cmd += ["-D", "nb_execution_mode=off", "-d", str(tmp_path / "doctrees")]
-    # page 04's caveat anchors are written by its cells, which this build does not run; the
+    # page 13's caveat anchors are written by its cells, which this build does not run; the
     # executed build (make docs-check, -n -W) resolves every label
     cmd += ["-D", "suppress_warnings=ref.ref"]
     cmd += [str(ROOT / "docs"), str(tmp_path / "html")]

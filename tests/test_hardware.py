@@ -5,7 +5,7 @@ Bad arguments of each public function are parametrised tables (``_BAD_*``): each
 argument the error message must name.
 
 The mesh evidence behind the caveats (HLO of pinned and unpinned collectives, the flag read at
-the first compile, XLA dumps) runs in tutorials/04_hardware_caveats.md.
+the first compile, XLA dumps) runs in tutorials/13_hardware_caveats.md.
 """
 
 import os

@@ -12,11 +12,12 @@ TUTORIALS = sorted((ROOT / "tutorials").glob("*.md"))
 PAGES = [ROOT / "docs" / "index.md", *TUTORIALS]
 
 
-def toctree_entries() -> set[str]:
+def toctree_entries() -> list[str]:
+    """The landing page's toctree entries, in the order the reader meets them."""
     text = (ROOT / "docs" / "index.md").read_text()
-    entries = set()
+    entries = []
     for block in re.findall(r"```\{toctree\}(.*?)```", text, flags=re.S):
-        entries |= {ln.strip() for ln in block.splitlines() if ln.strip() and ":" not in ln}
+        entries += [ln.strip() for ln in block.splitlines() if ln.strip() and ":" not in ln]
     return entries
 
 
@@ -27,6 +28,13 @@ def test_there_are_tutorials():
 @pytest.mark.parametrize("path", TUTORIALS, ids=lambda p: p.name)
 def test_tutorial_is_in_toctree(path):
     assert f"tutorials/{path.stem}" in toctree_entries(), f"add {path.stem} to docs/index.md"
+
+
+def test_file_numbers_follow_the_tour():
+    # a reader who downloads the notebooks gets them in the order the site presents them
+    tour = [e.removeprefix("tutorials/") for e in toctree_entries() if e.startswith("tutorials/")]
+    assert tour == [p.stem for p in TUTORIALS]
+    assert [int(stem[:2]) for stem in tour] == list(range(1, len(tour) + 1))
 
 
 @pytest.mark.parametrize("path", PAGES, ids=lambda p: p.name)

@@ -3,7 +3,7 @@
 Every probe updates a state tensor ``w`` in place from a collective of its old value and ends
 with ``torch_xla.sync()``, as a training loop does: ``w.copy_((y @ M + k) % 13)`` with ``y`` a
 ring permute (+1 or -1), an all-gather or a reduce-scatter of ``w``. These are the ingredients
-of the deadlock of tutorial 13 ("Training loops on a mesh of threads"): the collective token
+of the deadlock of tutorial 14 ("Training loops on a mesh of threads"): the collective token
 holds ``w``'s old buffer, the update donates it to the step's program when parameter aliasing
 is on, the 16 x 16 matmul makes the program large enough for XLA:CPU to run it asynchronously,
 and the ranks reach their sync at different times (ranks 1..3 sleep 20 ms before it; rank 0

@@ -148,7 +148,7 @@ def all_gather_matmul(
         backend: permute backend, as in :func:`~xla_permute.permute.collective_permute`.
         chunks: send each x block as this many chunks along ``dim`` (a divisor of ``m``), one
             chunk round the whole ring before the next: a rank holds two chunks instead of two
-            blocks, for ``chunks`` times the permutes (tutorial 06); the backward too.
+            blocks, for ``chunks`` times the permutes (tutorial 16); the backward too.
 
     Returns:
         ``[..., N*m, F]`` (a tuple of them for a list of weights): block ``j`` along ``dim`` is

@@ -249,7 +249,7 @@ def _rows(t: torch.Tensor) -> torch.Tensor:
 # device data (`_position`) plus an offset that is the same on every rank. XLA:CPU drops
 # optimisation barriers before it schedules, and schedules every slice of a parameter at its
 # start: x cut into its N blocks would have all N copied before the first matmul (1.74x the
-# baseline's memory at N=4, tutorial 06). So a read of x (`_Reads`) adds to its index a zero
+# baseline's memory at N=4, tutorial 16). So a read of x (`_Reads`) adds to its index a zero
 # computed from the data it must wait for, a dependency XLA keeps; and matmul-reduce-scatter
 # reads a block in row slices at most half the partial sum they add to (`_Shares`).
 # All-gather-matmul writes each product into its rows of the output (`_write`): on XLA an

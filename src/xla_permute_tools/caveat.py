@@ -60,7 +60,7 @@ class Caveat:
         return "\n".join(lines)
 
     def rows(self) -> list[tuple[str, str]]:
-        """This caveat as ``(label, text)`` rows, its sources as Markdown links: page 04 shows
+        """This caveat as ``(label, text)`` rows, its sources as Markdown links: page 13 shows
         them with ``figures.caveat_entries`` (:mod:`xla_permute_tools.figures`).
 
         >>> from xla_permute_tools.catalog import caveats

@@ -67,7 +67,7 @@ ERRORS: tuple[ErrorEntry, ...] = (
         "collective (or called different ones); without the check a rank reads past a buffer "
         "or waits forever",
         fix="make the named argument equal on every rank (shard evenly, cast every rank alike)",
-        page="13_when_the_mesh_fails",
+        page="14_when_the_mesh_fails",
     ),
     ErrorEntry(
         "rank-error",
@@ -86,7 +86,7 @@ ERRORS: tuple[ErrorEntry, ...] = (
         cause="the device process died, most often XLA:CPU's abort of a collective that not "
         "every rank reached within 15 s; the diagnosis names the collective, the ranks that "
         "waited and where the others were",
-        page="13_when_the_mesh_fails",
+        page="14_when_the_mesh_fails",
     ),
     ErrorEntry(
         "compile",
@@ -130,7 +130,7 @@ ERRORS: tuple[ErrorEntry, ...] = (
         cause="a plan names modules by their dotted names (wildcards per part); this one names "
         "none, or a style does not fit its module (the message says which)",
         fix="use a name the message lists as close, or print [n for n, _ in model.named_modules()]",
-        page="12_hugging_face_llama",
+        page="05_hugging_face_llama",
     ),
     ErrorEntry(
         "outside-rank",
@@ -139,7 +139,7 @@ ERRORS: tuple[ErrorEntry, ...] = (
         cause="a layer learns its rank and world size from the running mesh; outside a rank, "
         "asking would start this process's XLA runtime (and break run_on_mesh)",
         fix="build the layer inside the rank function, or pass world_size= and rank=",
-        page="08_tensor_parallel_poc",
+        page="04_tensor_parallel_poc",
     ),
     ErrorEntry(
         "cannot-send",
@@ -158,7 +158,7 @@ ERRORS: tuple[ErrorEntry, ...] = (
         "process groups run the ops",
         fix="pip install 'xla-permute[xla]', or call torch.distributed.init_process_group "
         "first (backend='c10d')",
-        page="09_torch_distributed",
+        page="11_torch_distributed",
     ),
     ErrorEntry(
         "hardware-warning",

@@ -350,7 +350,7 @@ CAVEATS: tuple[Caveat, ...] = (
         ),
         evidence=(
             "a plain torch_xla reproducer runs on every build in "
-            "tutorials/13_when_the_mesh_fails.md (aborts with aliasing on, passes with it off); "
+            "tutorials/14_when_the_mesh_fails.md (aborts with aliasing on, passes with it off); "
             "tests/test_training_probes.py runs 132 collective + in-place update + sync probes "
             "in one launch"
         ),
@@ -487,7 +487,7 @@ CAVEATS: tuple[Caveat, ...] = (
             f"{_PT_XLA}/blob/v2.9.0/torch_xla/runtime.py",
         ),
         evidence=(
-            "executed on every build in tutorials/04_hardware_caveats.md (Hardware caveats, "
+            "executed on every build in tutorials/13_hardware_caveats.md (Hardware caveats, "
             "SPMD mode) in child processes on a 4-device CPU mesh, the abort in one of its own"
         ),
         messages=("Span::at failed bounds check",),
@@ -511,7 +511,7 @@ CAVEATS: tuple[Caveat, ...] = (
         ),
         sources=(),
         evidence=(
-            "executed on every build in tutorials/04_hardware_caveats.md (Hardware caveats, "
+            "executed on every build in tutorials/13_hardware_caveats.md (Hardware caveats, "
             "SPMD mode): the optimized program read from XLA's dump"
         ),
     ),

@@ -175,7 +175,7 @@ def table(columns: Sequence[str], rows: Sequence[Sequence[Any]], align: str = ""
 
 
 def caveat_anchor(caveat_id: str) -> str:
-    """The label of a caveat's entry (page 04 renders each with :func:`caveat_entries`): other
+    """The label of a caveat's entry (page 13 renders each with :func:`caveat_entries`): other
     pages link to it with ``{ref}`caveat-<id>```.
 
     >>> caveat_anchor("pin-layout")

@@ -71,7 +71,7 @@ _MISMATCH_HINT = (
     "waits for all devices and aborts the CPU mesh; wait for this rank's device only: "
     "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()])). With "
     "XLA_ENABLE_PARAM_ALIASING=1 (run_on_mesh sets 0 unless asked) a training loop can "
-    "deadlock the device threads (caveat param-aliasing-deadlock, tutorial 13): leave it "
+    "deadlock the device threads (caveat param-aliasing-deadlock, tutorial 14): leave it "
     "unset or set XLA_ENABLE_PARAM_ALIASING=0."
 )
 
@@ -126,7 +126,7 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
     It also turns torch_xla's parameter aliasing off (``XLA_ENABLE_PARAM_ALIASING=0``) unless
     this process's environment or ``env`` sets it: with aliasing on, a training loop on a mesh
     of device *threads* can deadlock until XLA:CPU aborts the process (caveat
-    ``param-aliasing-deadlock``; tutorial 13 has the mechanism and a reproducer). The cost:
+    ``param-aliasing-deadlock``; tutorial 14 has the mechanism and a reproducer). The cost:
     each step's updated parameters and optimizer states get new buffers.
 
     And it compiles with LLVM's optimizer off (``--xla_backend_optimization_level=0`` added to

@@ -21,7 +21,7 @@ column layer is a local matmul (backward: ``dx`` summed over ranks), the row lay
 ``bidirectional``: both ways round), ``"baseline"`` (the blocking collective, then the matmul)
 or ``"xla"`` (the baseline's collectives in the form the TPU compiler rewrites into its own
 collective matmul, given the TPU recipe's environment; the reduce-scatter in the input dtype,
-as the upstream PoC; the cost model advises, tutorial 08). The group and this rank's place in
+as the upstream PoC; the cost model advises, tutorial 04). The group and this rank's place in
 it are resolved when the layer is built (given as ``world_size=``, ``rank=`` outside a rank).
 """
 

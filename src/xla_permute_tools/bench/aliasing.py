@@ -11,7 +11,7 @@ matmul, AdamW, float32) on the CPU mesh:
 * **off**: the mesh's default;
 * **on**: torch_xla's default, with the collective token reset before every sync
   (``torch_xla._XLAC._set_all_reduce_token(device, None)``), which removes the deadlock's
-  path (the token dropped with the GIL held after the step is dispatched; tutorial 13). If
+  path (the token dropped with the GIL held after the step is dispatched; tutorial 14). If
   the launch still aborts (a rank compiling long after another on a loaded machine aborts
   either launch), the report says so; the memory figure comes from compiling, before
   anything runs, so it is measured either way.
