@@ -231,6 +231,19 @@ def test_rank_error_names_rank_and_keeps_original():
     assert isinstance(e.value.__cause__, ValueError)
 
 
+def test_rank_traceback_names_the_users_file(tmp_path):
+    # a script's function travels by value; its traceback names the script, not cloudpickle's
+    # "<dynamic-code>"
+    script = tmp_path / "train.py"
+    script.write_text("def step():\n    raise ValueError('from the script')\n")
+    namespace = {"__name__": "__main__"}
+    exec(compile(script.read_text(), str(script), "exec"), namespace)
+    with pytest.raises(RankError, match="from the script") as e:
+        run_on_mesh(namespace["step"], n=2)
+    assert f'File "{script}", line 2, in step' in str(e.value)
+    assert "raise ValueError('from the script')" in str(e.value)
+
+
 def test_mismatched_collective_is_a_clear_bounded_error(mismatched_launch):
     error, seconds = mismatched_launch.result()
     assert isinstance(error, MeshError), error

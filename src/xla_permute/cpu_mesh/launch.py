@@ -190,12 +190,16 @@ class _DeviceTensor(Exception):
 
 
 class _CallerPickler(cloudpickle.CloudPickler):
-    """cloudpickle that refuses tensors on a device: the device process has its own devices."""
+    """cloudpickle that refuses tensors on a device (the device process has its own devices)
+    and keeps the file name of code sent by value, so a rank's traceback names the script."""
 
     def reducer_override(self, obj: Any) -> Any:
         torch = sys.modules.get("torch")
         if torch is not None and isinstance(obj, torch.Tensor) and obj.device.type != "cpu":
             raise _DeviceTensor(obj.device)
+        if isinstance(obj, types.CodeType):  # cloudpickle writes "<dynamic-code>" instead
+            make, fields = cloudpickle.cloudpickle._code_reduce(obj)
+            return make, tuple(obj.co_filename if f == "<dynamic-code>" else f for f in fields)
         return super().reducer_override(obj)
 
 
