@@ -80,6 +80,7 @@ NEEDS_TORCH_XLA = {
     "training_steps",
     "plan": "eight_ranks every_matmul_of_a_block the_plan_equals the_sharded_loss "
     "tp_sp_and_ring_attention",
+    "hf_plans": "mesh_",
     "selftest": "demo_runs_every_check",
     "shift": "bad_inputs_raise_in_rank shift_and_its_backward",
     "strategy": "xla_strategy_on_the_cpu_mesh",

@@ -256,7 +256,7 @@ def test_a_style_on_a_module_it_cannot_shard_is_refused():
     _refused({"model.embed_tokens": ColwiseParallel()}, "RowwiseParallel")
     _refused({"model.norm": RowwiseParallel()}, "not a LlamaRMSNorm")
     _refused({"model.layers.*.mlp": xp.HeadwiseParallel()}, "q_proj/k_proj")
-    _refused({"model.layers.*.mlp.up_proj": "colwise"}, "not one this package applies")
+    _refused({"model.layers.*.mlp.up_proj": 3}, "style int is not one this package applies")
     _refused(
         {"model.layers.*.mlp.up_proj": ColwiseParallel(input_layouts=Shard(-1))}, "RowwiseParallel"
     )

@@ -176,7 +176,5 @@ def _rows(lin: nn.Linear, first: int, count: int) -> nn.Linear:
     """A copy of rows ``first ... first+count`` of ``lin``: ``nn.Linear(in_features, count)``."""
     w = lin.weight
     part = nn.Linear(w.shape[1], count, lin.bias is not None, w.device, w.dtype)
-    with torch.no_grad():
-        for mine, full in zip(part.parameters(), lin.parameters(), strict=True):
-            mine.copy_(full[first : first + count])
+    part.load_state_dict({k: t[first : first + count] for k, t in lin.state_dict().items()})
     return part

@@ -14,7 +14,10 @@ module for this rank's shard of it, and the model's own ``forward`` runs unchang
 * ``SequenceParallel``: the module runs on sequence shards, its weights whole;
 * ``PrepareModuleInput``: ``Shard(d) -> Replicate()`` per positional input, an all-gather;
 * :class:`~xla_permute.HeadwiseParallel` (this package's) on an attention: a
-  :class:`~xla_permute.ParallelAttention` (q, k and v on one ring).
+  :class:`~xla_permute.ParallelAttention` (q, k and v on one ring);
+* Hugging Face's strings (``config.base_model_tp_plan``): ``"colwise"``, ``"rowwise"``, their
+  ``_rep`` (``Replicate()`` output, input: a Linear stays whole), ``"replicate"`` (whole); q, k,
+  v ``"colwise"`` and o ``"rowwise"`` are ``HeadwiseParallel`` if ParallelAttention is exact.
 
 A Hugging Face gated MLP whose gate and up are ``ColwiseParallel`` on sequence shards becomes
 one :class:`~xla_permute.GatedMLP` (one ring for both; the Hugging Face specifics are the last
@@ -23,12 +26,14 @@ of row-parallel layers) have their gradients summed inside the backward.
 
 Every new layer is built and everything checked before the model changes: a plan key that
 matches no module, a module matched twice, a style on a module it cannot shard, sizes the
-group does not divide, and on sequence shards a parameter in no planned module.
+group does not divide, a column split that cuts a head, and on sequence shards a parameter in
+no planned module.
 """
 
 from __future__ import annotations
 
 import difflib
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
@@ -220,12 +225,7 @@ def parallelize_module(
 
     Raises ``TypeError``, ``ValueError`` for a bad plan (module docstring), before any change.
     """
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        PrepareModuleInput,
-        RowwiseParallel,
-        SequenceParallel,
-    )
+    from torch.distributed.tensor import parallel as tp
 
     if not isinstance(module, nn.Module):
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
@@ -236,29 +236,26 @@ def parallelize_module(
     options |= dict(bidirectional=bidirectional, context_groups=context_groups)
     options["layout"] = check_layout(layout)
     named = dict(module.named_modules())
-    chosen = _assign(plan, list(named))
-    styles = (ColwiseParallel, RowwiseParallel, SequenceParallel, PrepareModuleInput)
+    prefix = getattr(module, "base_model_prefix", "")  # Hugging Face's plans start there
+    chosen = _hf_styles(module, named, _assign(plan, list(named), prefix))
+    styles = (tp.ColwiseParallel, tp.RowwiseParallel, tp.SequenceParallel, tp.PrepareModuleInput)
     for name, style in chosen.items():
         inner = [o for o in chosen if o.startswith(name + ".")]
         if not isinstance(style, (*styles, HeadwiseParallel)):  # the module docstring's
             raise TypeError(f"{name}: style {type(style).__name__} is not one this package applies")
-        if inner and isinstance(style, HeadwiseParallel | SequenceParallel):
+        if inner and isinstance(style, HeadwiseParallel | tp.SequenceParallel):
             raise ValueError(f"{inner[0]!r} is inside {name!r}, which its style takes whole")
-        if isinstance(style, PrepareModuleInput):
+        if isinstance(style, tp.PrepareModuleInput):
             _gathers(style, name)  # checked now, installed below
     new = {name: _build(name, named[name], style, options) for name, style in chosen.items()}
-    layers = [getattr(m, "o_proj", m) for m in new.values()]  # an attention: its o_proj's dim
-    if any(isinstance(s, SequenceParallel) for s in chosen.values()) or any(
-        getattr(m, "dim", None) is not None for m in layers
-    ):
-        _check_covered(module, chosen)
+    _check_built(module, named, chosen, new, n)
     new = {name: layer for name, layer in new.items() if layer is not None}
     _fuse_gated_mlps(named, new, chosen)  # before anything changes: GatedMLP checks
     comm = dict(groups=groups, backend=backend)
     for name, style in chosen.items():
-        if isinstance(style, SequenceParallel):
+        if isinstance(style, tp.SequenceParallel):
             _sum_gradients_on_use(named[name], comm)
-        elif isinstance(style, PrepareModuleInput):
+        elif isinstance(style, tp.PrepareModuleInput):
             hook = partial(_gather_inputs, _gathers(style, name), r, comm)
             named[name].register_forward_pre_hook(hook)
     for name, layer in new.items():
@@ -271,33 +268,51 @@ def parallelize_module(
     return module
 
 
-def _assign(plan: Mapping[str, Any], names: list[str]) -> dict[str, Any]:
-    """``module name -> style`` (``*`` is one name of the path); ValueError for a key that
-    matches nothing or a module that two keys match."""
+def _assign(plan: Mapping[str, Any], names: list[str], prefix: str = "") -> dict[str, Any]:
+    """``module name -> style`` (``*`` is one name of the path; else tried after ``prefix.``);
+    ValueError for a key that matches nothing or a module two keys give different styles."""
     chosen: dict[str, Any] = {}
     keys: dict[str, str] = {}
+    split = [(n, n.split(".")) for n in names if n]
+
+    def match(parts: list[str]) -> list[str]:
+        return [n for n, p in split if len(p) == len(parts) and all(map(fnmatchcase, p, parts))]
+
     for key, style in plan.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"plan keys are module names (str), got {key!r}")
-        parts = key.split(".")
-        split = [(n, n.split(".")) for n in names if n]
-        hits = [n for n, p in split if len(p) == len(parts) and all(map(fnmatchcase, p, parts))]
+        hits = match(key.split(".")) or match([prefix, *key.split(".")])
         if not hits:
             close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
             raise ValueError(f"plan key {key!r} matches no module; close: {close}{see('plan')}")
         for hit in hits:
-            if hit in chosen:
+            if hit in chosen and chosen[hit] is not style and chosen[hit] != style:
                 raise ValueError(f"module {hit!r} is matched by two plan keys: {keys[hit]!r}")
             chosen[hit], keys[hit] = style, key
     return chosen
 
 
-def _check_covered(module: nn.Module, chosen: Mapping[str, Any]) -> None:
-    """With the sequence sharded, a parameter in no planned module is refused: its gradient
-    would hold this rank's tokens only."""
+def _check_built(module: nn.Module, named: dict, chosen: dict, new: dict, n: int) -> None:
+    """A column split of an attention's projection (its parent has ``head_dim``) must leave
+    each rank whole heads; with the sequence sharded, a parameter in no planned module is
+    refused (its gradient would hold this rank's tokens only)."""
+    from torch.distributed.tensor.parallel import SequenceParallel
+
+    for name, layer in new.items():
+        parent, _, _ = name.rpartition(".")
+        hd, rows = getattr(named[parent], "head_dim", 0), getattr(layer, "out_features", 0)
+        cut = isinstance(layer, ColumnParallelLinear) and not layer.gather_output
+        if cut and isinstance(hd, int) and hd > 0 and rows % hd == 0 and (rows // hd) % n:
+            raise ValueError(
+                f"{name}: ColwiseParallel would cut its {rows // hd} heads (of {hd}) over {n} "
+                f"ranks, {rows / hd / n:g} a rank. Make {parent!r} HeadwiseParallel() (ranks "
+                f"share a KV head) or use ranks that divide {rows // hd}{see('plan')}"
+            )
+    layers = [getattr(m, "o_proj", m) for m in new.values()]  # an attention: its o_proj's dim
+    sharded = any(getattr(m, "dim", None) is not None for m in layers)
     planned = tuple(name + "." for name in chosen)
     loose = [p for p, _ in module.named_parameters() if not any(map(p.startswith, planned))]
-    if loose:
+    if loose and (sharded or any(isinstance(s, SequenceParallel) for s in chosen.values())):
         raise ValueError(
             f"the plan shards the sequence, but parameters {loose[:4]} are in no planned "
             f"module: each rank's gradient would hold its own tokens only. Add their modules "
@@ -310,6 +325,47 @@ def _check_covered(module: nn.Module, chosen: Mapping[str, Any]) -> None:
 
 def _is_hugging_face(module: nn.Module) -> bool:
     return type(module).__module__.startswith("transformers.")
+
+
+def _hf_styles(model: nn.Module, named: dict[str, nn.Module], chosen: dict) -> dict[str, Any]:
+    """``chosen`` with Hugging Face's strings as styles (module docstring); ValueError naming a
+    string it does not apply and the style to use instead."""
+    from torch.distributed.tensor import Replicate
+    from torch.distributed.tensor import parallel as tp
+
+    known = {"colwise": tp.ColwiseParallel(), "rowwise": tp.RowwiseParallel(), "replicate": None}
+    known |= {"colwise_rep": tp.ColwiseParallel(output_layouts=Replicate())}
+    known |= {"rowwise_rep": tp.RowwiseParallel(input_layouts=Replicate())}
+    strings = {k: v for k, v in chosen.items() if isinstance(v, str)}
+    for name, style in strings.items():
+        if style not in known:
+            hint = {"sequence_parallel": "SequenceParallel()"}.get(style, f"one of {sorted(known)}")
+            if style.startswith(("local", "gather", "grouped_gemm", "ep_router")):  # experts'
+                hint = "ColwiseParallel()/RowwiseParallel() on each expert's Linears"
+            raise ValueError(f"{name}: Hugging Face's {style!r} is not applied here; use {hint}")
+        whole = isinstance(named[name], nn.Linear) and style == "rowwise_rep"  # the same product
+        chosen[name] = None if whole else known[style]
+    for name, attn in named.items():
+        parts = {f"{name}.{p}_proj": "rowwise" if p == "o" else "colwise" for p in "qkvo"}
+        if all(strings.get(p) == s for p, s in parts.items()) and (rope := _rope(model, attn)):
+            chosen = {k: v for k, v in chosen.items() if k not in parts}
+            chosen[name] = HeadwiseParallel(input_layouts=Replicate(), position_fn=rope)
+    return {name: style for name, style in chosen.items() if style is not None}
+
+
+def _rope(model: nn.Module, attn: nn.Module) -> PositionFn | None:
+    """The rotary embedding (the model's ``rotary_emb``) of a Hugging Face attention that
+    ParallelAttention computes exactly: causal, softmax scale ``head_dim ** -0.5``, no sliding
+    window or soft cap, parameters in q, k, v, o only; None for any other."""
+    hd, own = getattr(attn, "head_dim", 0), {p.split(".")[0] for p, _ in attn.named_parameters()}
+    rotary = [m for n, m in model.named_modules() if n.rpartition(".")[2] == "rotary_emb"]
+    apply = getattr(sys.modules[type(attn).__module__], "apply_rotary_pos_emb", None)
+    odd = getattr(attn, "sliding_window", None) or getattr(attn, "attn_logit_softcapping", None)
+    scaled = isinstance(hd, int) and hd > 0 and getattr(attn, "scaling", None) == hd**-0.5
+    plain = own == {"q_proj", "k_proj", "v_proj", "o_proj"} and getattr(attn, "is_causal", 0)
+    if not plain or not scaled or odd or len(rotary) != 1 or apply is None:
+        return None
+    return lambda q, k, positions: apply(q, k, *rotary[0](q, positions[None]))
 
 
 def _act_times(act: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:

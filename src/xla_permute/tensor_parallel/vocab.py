@@ -80,9 +80,8 @@ class VocabParallelEmbedding(nn.Module):
         local = tokens - self.start
         mine = (local >= 0) & (local < block)
         local = torch.where(mine, local, torch.zeros_like(local))
-        padding = None
-        if self.padding_idx is not None and 0 <= self.padding_idx - self.start < block:
-            padding = self.padding_idx - self.start
+        padding = None if self.padding_idx is None else self.padding_idx - self.start
+        padding = padding if padding is not None and 0 <= padding < block else None
         y = nn.functional.embedding(local, self.weight, padding_idx=padding)
         y = y * mine.unsqueeze(-1).to(y.dtype)
         comm = dict(groups=self.groups, backend=self.backend)
