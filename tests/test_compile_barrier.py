@@ -54,26 +54,44 @@ def test_a_rank_20_s_late_to_its_sync_aborts_without_the_barrier():
 
 def _compiled_norm_program(compile_it: bool):
     """The user's program as a notebook cell writes it (sent by value: each rank its own copy
-    of the functions): an RMSNorm, eager or compiled, before and after an all-gather, and a
-    step of a weight trained through the gathered rows (the norm's backward stays eager: AOT
-    autograd tracing on several rank threads at once races in torch's global state)."""
+    of the functions): an RMSNorm module and an MLP function, eager or compiled, before and
+    after an all-gather, trained for three AdamW steps; the gradients flow through the
+    compiled graphs' backward into the all-gather's. The ranks reach their compiles at
+    different times (rank r waits 0.05 r s per step), so one rank's compile meets another's
+    compiled call or backward."""
 
-    def rms(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * w
+    def mlp(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.gelu(x @ a) @ b
 
     def program() -> list[torch.Tensor]:
         import torch_xla
         import torch_xla.runtime as xr
 
         dev, r = torch_xla.device(), xr.global_ordinal()
-        norm = torch.compile(rms, backend="openxla") if compile_it else rms
-        x = (torch.arange(32.0).reshape(4, 8) / 8 - r).to(dev)
-        w = torch.linspace(0.5, 1.5, 8).to(dev)
-        proj = torch.eye(8, device=dev).requires_grad_()
-        y = norm(xp.all_gather(norm(x, w), dim=0), w)
-        (y @ proj).square().sum().backward()
-        torch_xla.sync()
-        return [y.cpu(), proj.grad.cpu()]
+        norm = torch.nn.RMSNorm(8, eps=1e-6).to(dev)
+        x = (torch.arange(32.0).reshape(4, 8) / 8 - r).to(dev).requires_grad_()
+        a = (torch.eye(8) + 0.1).to(dev).requires_grad_()
+        b = (torch.eye(8) - 0.05).to(dev).requires_grad_()
+        params = [x, a, b, *norm.parameters()]
+        opt = torch.optim.AdamW(params, lr=0.01)
+        if compile_it:
+            norm, mlp_ = (
+                torch.compile(norm, backend="openxla"),
+                torch.compile(mlp, backend="openxla"),
+            )
+        else:
+            mlp_ = mlp
+        losses = []
+        for _ in range(3):
+            time.sleep(0.05 * r)
+            y = norm(xp.all_gather(mlp_(norm(x), a, b), dim=0))
+            loss = mlp_(y, a, b).square().sum()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            torch_xla.sync()
+            losses.append(loss.detach().cpu())
+        return [torch.stack(losses), *(p.detach().cpu() for p in params)]
 
     return program
 
@@ -84,6 +102,7 @@ def test_torch_compile_of_local_math_around_a_collective_equals_eager():
     for rank_eager, rank_compiled in zip(eager, compiled, strict=True):
         for e, c in zip(rank_eager, rank_compiled, strict=True):
             torch.testing.assert_close(c, e, rtol=1e-5, atol=1e-5)
+    assert not torch.equal(eager[0][1], eager[1][1])  # the ranks trained different x
 
 
 def _shared_norm(compile_it: bool) -> torch.Tensor:

@@ -9,6 +9,7 @@ results (or the first rank's error) to the launch's result file, where the calle
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
@@ -21,6 +22,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch._dynamo.convert_frame as dynamo_compile
+import torch._dynamo.eval_frame as eval_frame
+import torch._functorch._aot_autograd.runtime_wrappers as aot_runtime
 import torch_xla
 import torch_xla._dynamo.dynamo_bridge as dynamo_bridge
 import torch_xla.core.dynamo_bridge as core_bridge
@@ -141,30 +145,73 @@ class _OwnDeviceWait:
 
 
 def fit_torch_compile() -> None:
-    """Let ``torch.compile`` (backend ``openxla``) compile a rank's local math on the mesh.
+    """Let ``torch.compile`` (backend ``openxla``) compile and run a rank's local math, forward
+    and backward, on the mesh of rank threads.
 
     torch_xla 2.9's dynamo bridge waits for the sync it starts with by
     ``xm.wait_device_ops()`` with no device list: every device of the process, including
     another rank's inside a collective that waits for this rank, and XLA:CPU aborts after
-    15 s. Here it waits for the rank's own device; and the bridge, which keeps global state
-    (its counters) and rewrites the graph it is given, takes one rank at a time (ranks
-    compiling at once failed in it). The rank's status says ``torch.compile`` meanwhile. Not
-    fixed: a graph with a backward, traced by AOT autograd on several ranks at once, fails in
-    torch's global tracing state (caveat ``torch-compile``).
+    15 s. Here it waits for the rank's own device. And torch's compiler keeps process-global
+    state (the FX tracing flag, the node metadata being traced, the compile metrics; the
+    bridge's counters), which ranks compiling at once corrupted: a compiled function's call,
+    AOT autograd's lazy compile of its backward and the bridge's extraction of a graph take one
+    rank at a time (Dynamo's ``compile_lock``). A rank syncs before it takes its turn, so it
+    never holds the turn while it waits for the others at a collective. The rank's status
+    says ``torch.compile`` meanwhile.
     """
     dynamo_bridge.xm = _OwnDeviceWait(dynamo_bridge.xm)
-    extract, turn = core_bridge.extract_compiled_graph, threading.Lock()
+    core_bridge.extract_compiled_graph = _one_rank_at_a_time(core_bridge.extract_compiled_graph)
+    optimize = eval_frame._TorchDynamoContext.__call__
 
-    def extract_compiled_graph(*args: Any, **kwargs: Any) -> Any:
-        torch_xla.sync()  # before the turn: a rank that holds it never waits at the barrier
+    def wrap(self: Any, fn: Any) -> Any:
+        compiled = optimize(self, fn)
+        return compiled if isinstance(compiled, torch.nn.Module) else _one_rank_at_a_time(compiled)
+
+    eval_frame._TorchDynamoContext.__call__ = wrap
+    metrics = aot_runtime.get_metrics_context  # entered by the lazy compile of a backward
+    aot_runtime.get_metrics_context = lambda: _Turn(metrics())
+
+
+_turn = threading.local()
+
+
+class _Turn:
+    """``context`` entered with Dynamo's compile lock held (one rank at a time)."""
+
+    def __init__(self, context: Any) -> None:
+        self._context = context
+
+    def __enter__(self) -> Any:
+        dynamo_compile.compile_lock.acquire()
+        return self._context.__enter__()
+
+    def __exit__(self, *exc: Any) -> Any:
+        try:
+            return self._context.__exit__(*exc)
+        finally:
+            dynamo_compile.compile_lock.release()
+
+
+def _one_rank_at_a_time(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` called by one rank at a time, after the rank's sync (calls nested in it pass)."""
+
+    @functools.wraps(fn)
+    def turn(*args: Any, **kwargs: Any) -> Any:
+        if getattr(_turn, "held", False):
+            return fn(*args, **kwargs)
+        torch_xla.sync()  # before the turn: a rank that holds it never waits for the others
         mesh_status.enter("torch.compile")
         try:
-            with turn:  # the bridge keeps global state (its counters): one rank at a time
-                return extract(*args, **kwargs)
+            with dynamo_compile.compile_lock:
+                _turn.held = True
+                try:
+                    return fn(*args, **kwargs)
+                finally:
+                    _turn.held = False
         finally:
             mesh_status.enter("run")
 
-    core_bridge.extract_compiled_graph = extract_compiled_graph
+    return turn
 
 
 def main(payload_path: str, result_path: str) -> None:
