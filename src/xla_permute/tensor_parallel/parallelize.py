@@ -274,14 +274,13 @@ def _assign(plan: Mapping[str, Any], names: list[str], prefix: str = "") -> dict
     chosen: dict[str, Any] = {}
     keys: dict[str, str] = {}
     split = [(n, n.split(".")) for n in names if n]
-
-    def match(parts: list[str]) -> list[str]:
-        return [n for n, p in split if len(p) == len(parts) and all(map(fnmatchcase, p, parts))]
-
     for key, style in plan.items():
         if not isinstance(key, str) or not key:
             raise TypeError(f"plan keys are module names (str), got {key!r}")
-        hits = match(key.split(".")) or match([prefix, *key.split(".")])
+        for parts in (key.split("."), [prefix, *key.split(".")]):  # "" matches no name
+            hits = [n for n, p in split if len(p) == len(parts) and all(map(fnmatchcase, p, parts))]
+            if hits:
+                break
         if not hits:
             close = difflib.get_close_matches(key, names, n=3, cutoff=0.5)
             raise ValueError(f"plan key {key!r} matches no module; close: {close}{see('plan')}")
@@ -304,9 +303,9 @@ def _check_built(module: nn.Module, named: dict, chosen: dict, new: dict, n: int
         cut = isinstance(layer, ColumnParallelLinear) and not layer.gather_output
         if cut and isinstance(hd, int) and hd > 0 and rows % hd == 0 and (rows // hd) % n:
             raise ValueError(
-                f"{name}: ColwiseParallel would cut its {rows // hd} heads (of {hd}) over {n} "
-                f"ranks, {rows / hd / n:g} a rank. Make {parent!r} HeadwiseParallel() (ranks "
-                f"share a KV head) or use ranks that divide {rows // hd}{see('plan')}"
+                f"{name}: ColwiseParallel would cut its {rows // hd} heads of {hd} features "
+                f"over {n} ranks ({rows / hd / n:g} a rank). Make {parent!r} HeadwiseParallel() "
+                f"(ranks share a KV head) or use ranks that divide {rows // hd}{see('plan')}"
             )
     layers = [getattr(m, "o_proj", m) for m in new.values()]  # an attention: its o_proj's dim
     sharded = any(getattr(m, "dim", None) is not None for m in layers)
@@ -372,9 +371,7 @@ def _act_times(act: nn.Module, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor
     return act(a) * b
 
 
-def _fuse_gated_mlps(
-    named: dict[str, nn.Module], new: dict[str, nn.Module], chosen: Mapping[str, Any]
-) -> None:
+def _fuse_gated_mlps(named: dict, new: dict[str, nn.Module], chosen: Mapping[str, Any]) -> None:
     """Hugging Face's gated MLPs (``down_proj(act_fn(gate_proj(x)) * up_proj(x))``: Llama,
     Mistral, Qwen2, ...) whose gate and up the plan made column-parallel on sequence shards
     become, in ``new``, one :class:`~xla_permute.GatedMLP` (one ring; theirs would run two)."""
