@@ -5,11 +5,11 @@ every rank thread compiles its own program inside ``torch_xla.sync()`` and runs 
 rank that compiles 15 s longer than another (a large program on a loaded machine) aborts the
 mesh (caveat ``compile-skew-rendezvous``). So the sync of a rank that called a collective since
 its last sync is split into the steps torch_xla's own dynamo bridge uses, with two meetings of
-the ranks (:class:`Rendezvous`): meet; find the rank's live tensors with a pending graph (a
-walk over the process's objects, safe only while no other rank runs); if that graph holds a
-collective, compile it into the process's computation cache (``_xla_warm_up_cache``), meet
-again, then run the cached graph (``_run_cached_graph``) and write the results into the
-tensors. The step marker that follows compiles only the copies (a few IR nodes each).
+the ranks (:class:`Rendezvous`): meet; find the rank's live tensors with a pending graph (one
+walk over the process's objects for all ranks, by the last to arrive, while the others wait);
+if that graph holds a collective, compile it into the process's computation cache
+(``_xla_warm_up_cache``), meet again, then run the cached graph (``_run_cached_graph``) and
+write the results into the tensors. The step marker that follows compiles only the copies (a few IR nodes each).
 
 A rank that called no collective does not wait. The ranks meet by the count of their
 meetings (rank programs are SPMD: the k-th collective step of one rank meets the k-th of the
@@ -118,27 +118,31 @@ class Rendezvous:
 _local = threading.local()  # per rank: a collective called since the last sync; its meetings
 _has_collective: dict[Any, bool] = {}  # graph hash -> whether the graph holds a collective
 _compiling: dict[Any, threading.Lock] = {}  # graph hash -> held by the rank compiling it
+_found: dict[torch.device, list[torch.Tensor]] = {}  # the last walk's tensors, by device
 
 
-def _pending(device: torch.device) -> list[list[torch.Tensor]]:
-    """The rank's live tensors with a graph to run, by torch_xla tensor id (a tensor and its
-    ``detach()`` share one), in the order of the ids as the step marker takes them: every rank
-    of an SPMD program finds the same graph.
-
-    The walk takes every object of the process, other ranks' tensors too: it runs while the
-    other ranks wait at the barrier, since a rank thread that frees a tensor whose Python
-    object only this walk holds leaves that object empty (torch warns "Deallocating Tensor
-    that still has live PyObject references").
-    """
-    import torch_xla
-
-    found = []
+def _walk() -> None:
+    """Collect the garbage, then walk the process's objects once for every rank: its live XLA
+    tensors, by device (the last rank to reach a meeting does it, while the others wait:
+    a rank thread that freed a tensor whose Python object only the walk held would leave that
+    object empty, and torch warns "Deallocating Tensor that still has live PyObject
+    references")."""
+    gc.collect(1)  # the step's garbage: what is left is what the step markers would take
+    _found.clear()
     for o in gc.get_objects():
         try:
-            if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device == device:
-                found.append(o)
+            if type(o) in (torch.Tensor, torch.nn.Parameter) and o.device.type == "xla":
+                _found.setdefault(o.device, []).append(o)
         except RuntimeError:  # a tensor without a device (an undefined tensor)
             continue
+
+
+def _pending(found: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+    """The rank's tensors with a graph to run, by torch_xla tensor id (a tensor and its
+    ``detach()`` share one), in the order of the ids as the step marker takes them: every rank
+    of an SPMD program finds the same graph."""
+    import torch_xla
+
     # a gradient that autograd wrote and nobody read yet has no Python object: ask for it
     found += [t.grad for t in found if t.is_leaf and t.requires_grad and t.grad is not None]
     need = torch_xla._XLAC._check_tensor_need_materialization(found) if found else []
@@ -166,9 +170,9 @@ def compile_wait_run(rendezvous: Rendezvous, rank: int, device: torch.device) ->
         return
     _local.collective = False
     meeting = _local.meetings = getattr(_local, "meetings", -1) + 1
-    _meet(rendezvous, (meeting, "walk"), rank, last=gc.collect)  # what is left is live
+    _meet(rendezvous, (meeting, "walk"), rank, last=_walk)
     xlac = torch_xla._XLAC
-    groups = _pending(device)
+    groups = _pending(_found.pop(device, []))
     tensors = [group[0] for group in groups]
     graph = xlac._get_graph_hash(tensors) if tensors else None
     if graph is not None and graph not in _has_collective:
