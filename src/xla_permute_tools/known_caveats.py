@@ -444,12 +444,12 @@ CAVEATS: tuple[Caveat, ...] = (
             "tensors compile each step into one XLA program at torch_xla.sync() anyway. On the "
             "CPU mesh, local math compiles: the device process makes "
             "torch_xla's dynamo bridge wait for the rank's own device (it waited for every "
-            "device: another rank inside a collective, an abort after 15 s), and lets one rank "
-            "at a time into a compiled function's call, the lazy compile of its backward and "
-            "the bridge, after the rank's sync: torch's compiler keeps process-global state "
-            "(the FX tracing flag, the traced node's metadata, compile metrics) that rank "
-            "threads compiling at once corrupted (an FX assertion, 'Detected that you are "
-            "using FX to symbolically trace a dynamo-optimized function')."
+            "device: another rank inside a collective, an abort after 15 s). torch's compiler "
+            "keeps process-global state that rank threads compiling at once corrupted (an FX "
+            "assertion; 'Detected that you are using FX to symbolically trace a "
+            "dynamo-optimized function'): the bridge and the lazy compile of a backward take "
+            "Dynamo's compile lock, after the rank's sync, and the FX tracing flag counts only "
+            "for the thread that holds it."
         ),
         sources=("https://docs.pytorch.org/xla/master/perf/dynamo.html",),
         evidence=(

@@ -9,7 +9,6 @@ results (or the first rank's error) to the launch's result file, where the calle
 
 from __future__ import annotations
 
-import functools
 import io
 import os
 import pickle
@@ -23,8 +22,8 @@ from typing import Any
 
 import torch
 import torch._dynamo.convert_frame as dynamo_compile
-import torch._dynamo.eval_frame as eval_frame
 import torch._functorch._aot_autograd.runtime_wrappers as aot_runtime
+import torch.fx._symbolic_trace as fx_trace
 import torch_xla
 import torch_xla._dynamo.dynamo_bridge as dynamo_bridge
 import torch_xla.core.dynamo_bridge as core_bridge
@@ -152,30 +151,34 @@ def fit_torch_compile() -> None:
     ``xm.wait_device_ops()`` with no device list: every device of the process, including
     another rank's inside a collective that waits for this rank, and XLA:CPU aborts after
     15 s. Here it waits for the rank's own device. And torch's compiler keeps process-global
-    state (the FX tracing flag, the node metadata being traced, the compile metrics; the
-    bridge's counters), which ranks compiling at once corrupted: a compiled function's call,
-    AOT autograd's lazy compile of its backward and the bridge's extraction of a graph take one
-    rank at a time (Dynamo's ``compile_lock``). A rank syncs before it takes its turn, so it
-    never holds the turn while it waits for the others at a collective. The rank's status
-    says ``torch.compile`` meanwhile.
+    state, which ranks compiling at once corrupted: the node metadata being traced and the
+    compile metrics (so the bridge's extraction of a graph and AOT autograd's lazy compile of
+    a backward take Dynamo's ``compile_lock``, one rank at a time, as Dynamo's own compile
+    does; a rank syncs before the extraction, so that it never holds the lock while it waits
+    for the others), and the FX tracing flag, which a compiled function's call reads: here
+    it counts only for the thread that holds the lock, the one tracing. The rank's status
+    says ``torch.compile`` while it extracts.
     """
     dynamo_bridge.xm = _OwnDeviceWait(dynamo_bridge.xm)
-    core_bridge.extract_compiled_graph = _one_rank_at_a_time(core_bridge.extract_compiled_graph)
-    optimize = eval_frame._TorchDynamoContext.__call__
+    extract, lock = core_bridge.extract_compiled_graph, dynamo_compile.compile_lock
 
-    def wrap(self: Any, fn: Any) -> Any:
-        compiled = optimize(self, fn)
-        return compiled if isinstance(compiled, torch.nn.Module) else _one_rank_at_a_time(compiled)
+    def extract_compiled_graph(*args: Any, **kwargs: Any) -> Any:
+        torch_xla.sync()  # before the lock: a rank that holds it never waits at the barrier
+        mesh_status.enter("torch.compile")
+        try:
+            with lock:
+                return extract(*args, **kwargs)
+        finally:
+            mesh_status.enter("run")
 
-    eval_frame._TorchDynamoContext.__call__ = wrap
+    core_bridge.extract_compiled_graph = extract_compiled_graph
     metrics = aot_runtime.get_metrics_context  # entered by the lazy compile of a backward
-    aot_runtime.get_metrics_context = lambda: _Turn(metrics())
+    aot_runtime.get_metrics_context = lambda: _Locked(metrics())
+    tracing = fx_trace.is_fx_symbolic_tracing  # read by the calls that torch.compile wraps
+    fx_trace.is_fx_symbolic_tracing = lambda: lock._is_owned() and tracing()
 
 
-_turn = threading.local()
-
-
-class _Turn:
+class _Locked:
     """``context`` entered with Dynamo's compile lock held (one rank at a time)."""
 
     def __init__(self, context: Any) -> None:
@@ -192,28 +195,6 @@ class _Turn:
             dynamo_compile.compile_lock.release()
 
 
-def _one_rank_at_a_time(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` called by one rank at a time, after the rank's sync (calls nested in it pass)."""
-
-    @functools.wraps(fn)
-    def turn(*args: Any, **kwargs: Any) -> Any:
-        if getattr(_turn, "held", False):
-            return fn(*args, **kwargs)
-        torch_xla.sync()  # before the turn: a rank that holds it never waits for the others
-        mesh_status.enter("torch.compile")
-        try:
-            with dynamo_compile.compile_lock:
-                _turn.held = True
-                try:
-                    return fn(*args, **kwargs)
-                finally:
-                    _turn.held = False
-        finally:
-            mesh_status.enter("run")
-
-    return turn
-
-
 def main(payload_path: str, result_path: str) -> None:
     """Entry point of the device process: run the payload once on every device thread."""
     global _result_path
@@ -222,13 +203,13 @@ def main(payload_path: str, result_path: str) -> None:
     on_op(mesh_status.note_op)
     rank_output.install()
     try:
+        fit_torch_compile()  # before the payload's modules are imported: they may compile
         payload = Path(payload_path).read_bytes()
         pickle.loads(payload)  # a call that cannot be unpickled here is a start error
 
         if _on(SYNC_GUARD_ENV):
             n = int(os.environ["CPU_NUM_DEVICES"])
             guard_syncs(install_barrier(n) if n > 1 and _on(BARRIER_ENV) else None)
-        fit_torch_compile()
         # What xmp.spawn runs in each host process: one thread per device, replication set.
         results = pjrt._run_thread_per_device(
             0,
