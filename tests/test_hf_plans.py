@@ -223,3 +223,13 @@ def test_an_attention_parallel_attention_does_not_compute_keeps_its_own_forward(
     for layer in model.model.layers:
         layer.self_attn.sliding_window = 8  # a window: not ParallelAttention's
     _refused(model.config.base_model_tp_plan, "k_proj: ColwiseParallel would cut", model=model)
+
+
+def test_a_plan_that_would_untie_tied_weights_is_refused():
+    from transformers import Qwen2Config, Qwen2ForCausalLM
+
+    config = Qwen2Config(**{**_qwen2().config.to_dict(), "tie_word_embeddings": True})
+    model = Qwen2ForCausalLM(config).to(torch.float64)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    plan = {**config.base_model_tp_plan, **type(model)._tp_plan}  # lm_head: colwise_rep
+    _refused(plan, "lm_head.weight is model.embed_tokens.weight \\(tied\\)", model=model)

@@ -293,8 +293,9 @@ def _assign(plan: Mapping[str, Any], names: list[str], prefix: str = "") -> dict
 
 def _check_built(module: nn.Module, named: dict, chosen: dict, new: dict, n: int) -> None:
     """A column split of an attention's projection (its parent has ``head_dim``) must leave
-    each rank whole heads; with the sequence sharded, a parameter in no planned module is
-    refused (its gradient would hold this rank's tokens only)."""
+    each rank whole heads; a weight two modules share (tied) is replaced in both or neither;
+    with the sequence sharded, a parameter in no planned module is refused (its gradient
+    would hold this rank's tokens only)."""
     from torch.distributed.tensor.parallel import SequenceParallel
 
     for name, layer in new.items():
@@ -307,6 +308,12 @@ def _check_built(module: nn.Module, named: dict, chosen: dict, new: dict, n: int
                 f"over {n} ranks ({rows / hd / n:g} a rank). Make {parent!r} HeadwiseParallel() "
                 f"(ranks share a KV head) or use ranks that divide {rows // hd}{see('plan')}"
             )
+    params = list(module.named_parameters(remove_duplicate=False))
+    first = {id(p): k for k, p in reversed(params)}  # a tied weight's first name
+    replaced = tuple(name + "." for name, layer in new.items() if layer is not None)
+    for k, p in params:
+        if first[id(p)] != k and k.startswith(replaced) != first[id(p)].startswith(replaced):
+            raise ValueError(f"{k} is {first[id(p)]} (tied): plan both or neither, or untie them")
     layers = [getattr(m, "o_proj", m) for m in new.values()]  # an attention: its o_proj's dim
     sharded = any(getattr(m, "dim", None) is not None for m in layers)
     planned = tuple(name + "." for name in chosen)
