@@ -9,7 +9,8 @@ the ranks (:class:`Rendezvous`): meet; find the rank's live tensors with a pendi
 walk over the process's objects for all ranks, by the last to arrive, while the others wait);
 if that graph holds a collective, compile it into the process's computation cache
 (``_xla_warm_up_cache``), meet again, then run the cached graph (``_run_cached_graph``) and
-write the results into the tensors. The step marker that follows compiles only the copies (a few IR nodes each).
+write the results into the tensors. The step marker that follows compiles only the copies (a
+few IR nodes each).
 
 A rank that called no collective does not wait. The ranks meet by the count of their
 meetings (rank programs are SPMD: the k-th collective step of one rank meets the k-th of the

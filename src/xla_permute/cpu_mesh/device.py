@@ -9,6 +9,7 @@ results (or the first rank's error) to the launch's result file, where the calle
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import pickle
@@ -16,7 +17,7 @@ import sys
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -173,26 +174,16 @@ def fit_torch_compile() -> None:
 
     core_bridge.extract_compiled_graph = extract_compiled_graph
     metrics = aot_runtime.get_metrics_context  # entered by the lazy compile of a backward
-    aot_runtime.get_metrics_context = lambda: _Locked(metrics())
+    aot_runtime.get_metrics_context = lambda: _locked(metrics())
     tracing = fx_trace.is_fx_symbolic_tracing  # read by the calls that torch.compile wraps
     fx_trace.is_fx_symbolic_tracing = lambda: lock._is_owned() and tracing()
 
 
-class _Locked:
+@contextlib.contextmanager
+def _locked(context: Any) -> Iterator[Any]:
     """``context`` entered with Dynamo's compile lock held (one rank at a time)."""
-
-    def __init__(self, context: Any) -> None:
-        self._context = context
-
-    def __enter__(self) -> Any:
-        dynamo_compile.compile_lock.acquire()
-        return self._context.__enter__()
-
-    def __exit__(self, *exc: Any) -> Any:
-        try:
-            return self._context.__exit__(*exc)
-        finally:
-            dynamo_compile.compile_lock.release()
+    with dynamo_compile.compile_lock, context as entered:
+        yield entered
 
 
 def main(payload_path: str, result_path: str) -> None:

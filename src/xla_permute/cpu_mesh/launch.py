@@ -60,19 +60,15 @@ LAUNCHER_ENV = "XLA_PERMUTE_LAUNCHER"
 DEFAULT_TIMEOUT = 300.0
 
 _MISMATCH_HINT = (
-    "XLA:CPU aborts a collective whose ranks arrive more than 15 s apart (5 s warning + 10 s). "
-    "Other causes, when the diagnosis names none: one rank compiling its program much later "
-    "than another (each rank compiles its own: a large program on a loaded machine; keep "
-    "per-rank data as device data so that the ranks' programs are identical, caveat "
-    "compile-skew-rendezvous); the ranks issuing mismatched collectives (a rank skipped one or "
-    "issued them in another order, or torch_xla's own collectives with different shapes, "
-    "groups or channel ids; this package's are checked, XLA_PERMUTE_DEBUG=1 checks every call); "
-    "XLA_THREAD_POOL_SIZE below the device count. A bare xm.wait_device_ops() inside a rank "
-    "waits for all devices and aborts the CPU mesh; wait for this rank's device only: "
-    "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()])). With "
-    "XLA_ENABLE_PARAM_ALIASING=1 (run_on_mesh sets 0 unless asked) a training loop can "
-    "deadlock the device threads (caveat param-aliasing-deadlock, tutorial 14): leave it "
-    "unset or set XLA_ENABLE_PARAM_ALIASING=0."
+    "XLA:CPU aborts a collective whose ranks arrive more than 15 s apart. Other causes, when "
+    "the diagnosis names none: the ranks issuing mismatched collectives (torch_xla's own, with "
+    "other shapes, groups or channel ids; this package's are checked, XLA_PERMUTE_DEBUG=1 "
+    "checks every call); a rank compiling its program much later than another (caveat "
+    "compile-skew-rendezvous); XLA_THREAD_POOL_SIZE below the device count; a bare "
+    "xm.wait_device_ops(), which waits for every device: use "
+    "xm.wait_device_ops(xm.xla_real_devices([torch_xla.device()])); "
+    "XLA_ENABLE_PARAM_ALIASING=1 in a training loop (caveat param-aliasing-deadlock): leave "
+    "it unset or set XLA_ENABLE_PARAM_ALIASING=0."
 )
 
 
@@ -152,18 +148,14 @@ def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str
         XLA_THREAD_POOL_SIZE=str(max(n, int(out.get("XLA_THREAD_POOL_SIZE") or 0))),
         TF_CPP_MIN_LOG_LEVEL=out.get("TF_CPP_MIN_LOG_LEVEL", "2"),
     )
-    # The CPU mesh is where programs are developed: ranks that disagree raise by default.
     if not out.get(DEBUG_ENV, "").strip():
         out[DEBUG_ENV] = "1"
-    # Parameter aliasing deadlocks training loops on a mesh of threads (see the docstring).
     if not out.get("XLA_ENABLE_PARAM_ALIASING", "").strip():
         out["XLA_ENABLE_PARAM_ALIASING"] = "0"
     # The child must import what the caller can import (tests/, a notebook's directory).
     paths = [p or os.getcwd() for p in sys.path] + [out.get("PYTHONPATH", "")]
     out["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
     out.update(extra)
-    # Each rank compiles its own program; LLVM's optimizer is most of a compile on XLA:CPU, and
-    # a rank whose compile ends more than 15 s after another's aborts the mesh.
     flag = "--xla_backend_optimization_level"
     if flag not in out.get("XLA_FLAGS", ""):
         out["XLA_FLAGS"] = f"{out.get('XLA_FLAGS', '')} {flag}=0".strip()
