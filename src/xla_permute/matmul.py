@@ -46,11 +46,9 @@ from xla_permute.pairs import GroupsLike, check_dim, check_groups, check_int
 from xla_permute.reference import accumulation_dtype
 
 __all__ = [
-    "all_gather_matmul",
-    "all_gather_then_matmul",
-    "matmul_reduce_scatter",
+    "all_gather_matmul", "all_gather_then_matmul", "matmul_reduce_scatter",
     "matmul_then_reduce_scatter",
-]
+]  # fmt: skip
 
 Weights = torch.Tensor | Sequence[torch.Tensor]
 

@@ -22,13 +22,6 @@ from xla_permute.backends.select import (
 )
 
 __all__ = [
-    "BACKENDS",
-    "BackendName",
-    "CommBackend",
-    "Handle",
-    "Ready",
-    "Ring",
-    "check_tensor",
-    "distributed_ready",
-    "get_backend",
-]
+    "BACKENDS", "BackendName", "CommBackend", "Handle", "Ready", "Ring", "check_tensor",
+    "distributed_ready", "get_backend",
+]  # fmt: skip

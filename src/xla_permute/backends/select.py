@@ -32,16 +32,9 @@ from xla_permute.backends.xla import check_xla_tensor, xla_backend
 from xla_permute.pairs import Groups, GroupsLike, Pairs, global_pairs, ring_pairs
 
 __all__ = [
-    "BACKENDS",
-    "BackendName",
-    "CommBackend",
-    "Handle",
-    "Ready",
-    "Ring",
-    "check_tensor",
-    "distributed_ready",
-    "get_backend",
-]
+    "BACKENDS", "BackendName", "CommBackend", "Handle", "Ready", "Ring", "check_tensor",
+    "distributed_ready", "get_backend",
+]  # fmt: skip
 
 BackendName = Literal["auto", "native", "emulated", "c10d"]
 BACKENDS: tuple[str, ...] = ("auto", "native", "emulated", "c10d")

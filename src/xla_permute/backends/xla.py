@@ -32,12 +32,9 @@ from xla_permute.hardware import check_device_pairs, check_not_spmd
 from xla_permute.pairs import Groups, Pairs, see, source_of
 
 __all__ = [
-    "check_native_runs_here",
-    "check_xla_tensor",
-    "device_error",
-    "need_torch_xla",
+    "check_native_runs_here", "check_xla_tensor", "device_error", "need_torch_xla",
     "xla_backend",
-]
+]  # fmt: skip
 
 HAS_TORCH_XLA = importlib.util.find_spec("torch_xla") is not None
 
