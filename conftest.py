@@ -76,6 +76,7 @@ NEEDS_TORCH_XLA = {
     "torch_xla_ring",
     "pipeline": "bad_inputs_raise_in_rank forward_and_backward send_recv_step "
     "sendrecv_code_path stage_shift_step",
+    "pipeline_split": "split_by_names probe_advice",
     "pipeline_step": "1f1b_holds bad_calls gradients_bit ran_the llama_shaped step_equals "
     "training_steps",
     "plan": "eight_ranks every_matmul_of_a_block the_plan_equals the_sharded_loss "

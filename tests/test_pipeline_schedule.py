@@ -16,7 +16,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from xla_permute import SCHEDULES, Overlap, PipelineSchedule, Work, make_schedule, split_layers
+from xla_permute import SCHEDULES, Overlap, PipelineSchedule, Work, make_schedule
 from xla_permute.pipeline.orders import theory_bubble_fraction
 from xla_permute.pipeline.schedule import units
 
@@ -190,14 +190,6 @@ def test_small_example_by_hand():
     assert [s.shifts(t) for t in range(s.ticks)] == [(1,), (1,), (-1,), (), (-1,), ()]
 
 
-def test_split_layers():
-    assert split_layers(8, 4) == tuple((range(2 * r, 2 * r + 2),) for r in range(4))
-    held = split_layers(16, 4, 2)
-    assert held[1] == (range(2, 4), range(10, 12))  # stages 1 and 5
-    flat = sorted(layer for rank in held for stage in rank for layer in stage)
-    assert flat == list(range(16))
-
-
 @pytest.mark.parametrize(
     ("call", "error", "words"),
     [
@@ -214,9 +206,6 @@ def test_split_layers():
         (lambda: make_schedule("interleaved", 4, 8, 0), ValueError,
          ["stages_per_rank must be an int >= 1, got 0"]),
         (lambda: make_schedule("1f1b", 2.0, 4), TypeError, ["ranks must be an int"]),
-        (lambda: split_layers(6, 2, 2), ValueError,
-         ["layers=6 do not split", "stages_per_rank in [1, 3]"]),
-        (lambda: split_layers(6, 4), ValueError, ["divisible by 4", "fewer ranks"]),
     ],
 )  # fmt: skip
 def test_bad_combinations(call, error, words):

@@ -75,8 +75,8 @@ from xla_permute.permute import collective_permute
 from xla_permute.pipeline.forward import pipeline_forward, pipeline_groups
 
 # Pipeline schedules as data: each rank's orders and the schedules they play out
-from xla_permute.pipeline.orders import SCHEDULES, make_schedule, split_layers
-from xla_permute.pipeline.run import PipelineStep, pipeline_step
+from xla_permute.pipeline.orders import SCHEDULES, make_schedule
+from xla_permute.pipeline.run import PipelineStep, pipeline_step, split_model
 from xla_permute.pipeline.schedule import Overlap, PipelineSchedule, Work
 
 # Pipeline stages without send/recv
@@ -128,7 +128,7 @@ __all__ = [
     "PipelineStep", "RankError", "reduce_scatter", "reduce_scatter_schedule", "relu_product",
     "ring_attention", "ring_attention_schedule", "ring_pairs", "ring_steps", "RingStep",
     "RowParallelLinear", "run_on_mesh", "schedule_work", "SequenceParallelMLP",
-    "shard_sequence", "shift_pairs", "split_layers", "stage_shift", "sum_gradients", "swiglu",
+    "shard_sequence", "shift_pairs", "split_model", "stage_shift", "sum_gradients", "swiglu",
     "unshard_sequence", "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "SCHEDULES",
     "Work",
 ]  # fmt: skip

@@ -11,10 +11,8 @@ A pipeline of ``S`` stages runs one stage per rank. ``M`` micro-batches flow thr
 once with one :func:`~xla_permute.pipeline.shift.stage_shift`; the gradients flow back through
 the same ticks in reverse.
 
-SPMD: every rank runs the same tick loop and issues the same shifts in the same order (the
-lazy-tensor rule: a collective that one rank leaves out of its program blocks the others).
-Idle stages compute on whatever they hold and the results are masked out, with masks that are
-device data (never Python branches on the rank), so every rank traces the same program.
+SPMD: every rank traces the same program; idle stages compute on what they hold, masked out
+by device data (never Python branches on the rank).
 
 The forward ticks are the first ``M + S - 1`` ticks of GPipe's schedule, the data
 :func:`~xla_permute.pipeline.orders.make_schedule` builds and the figures draw:

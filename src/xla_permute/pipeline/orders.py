@@ -6,14 +6,10 @@
 * ``"1f1b"`` (PipeDream-flush, Megatron's non-interleaved schedule): ``p - r - 1`` warm-up
   forwards on rank ``r``, then one forward one backward, then the remaining backwards;
 * ``"interleaved"`` (Megatron's interleaved 1F1B, ``v`` stages per rank in loop placement):
-  forwards in groups of ``p`` micro-batches per stage, ``2 (p - r - 1) + (v - 1) p`` warm-up
-  forwards, then one forward one backward (``m >= p``; when ``p`` does not divide ``m`` the
-  last group takes the remainder);
-* ``"looped_bfs"`` (breadth-first): every micro-batch through a rank's first stage, then its
-  next; the backwards in reverse;
+  forwards in groups of ``p`` micro-batches per stage, then one forward one backward;
+* ``"looped_bfs"`` (breadth-first): every micro-batch through a rank's first stage, then next;
 * ``"zbh1"`` and ``"zb1p"`` (zero bubble, one and ``v`` stages per rank): 1F1B and
-  interleaved 1F1B with the backward split into ``I`` and ``W``, the ``W`` held back into the
-  ticks where 1F1B waits;
+  interleaved 1F1B with each ``B`` split into ``I`` and a ``W`` held back;
 * ``"zbv"`` (ZB-V) and ``"dualpipev"`` (DualPipeV): two stages per rank in a V, ``F I W``
   (ZB-V) or overlapped forward + backward ticks (DualPipeV) in the steady state.
 
@@ -33,7 +29,9 @@ from fractions import Fraction
 
 from xla_permute.pipeline.schedule import Cell, Overlap, PipelineSchedule, Work, check_count, play
 
-__all__ = ["SCHEDULES", "make_schedule", "split_layers", "theory_bubble_fraction"]
+__all__ = [
+    "SCHEDULES", "make_schedule", "stages_per_rank", "theory_bubble_fraction",
+]  # fmt: skip
 
 
 def _gpipe(p: int, m: int, v: int) -> list[list[Cell]]:
@@ -305,6 +303,20 @@ def make_schedule(
     return play(name, p, m, v, _ORDERS[name](p, m, v))
 
 
+def stages_per_rank(schedule: str | PipelineSchedule, stages: int, ranks: int) -> int:
+    """How many of a model's ``stages`` each of ``ranks`` ranks holds under ``schedule``."""
+    name, multi = getattr(schedule, "name", schedule), schedule in _MULTI
+    v = getattr(schedule, "stages_per_rank", 2 if name in _V else stages // ranks if multi else 1)
+    if stages != ranks * v and (name in SCHEDULES or not isinstance(schedule, str)):
+        raise ValueError(
+            f"modules holds {stages} stages; {name} runs {max(v, 1)} per rank on {ranks} ranks: "
+            f"pass split_model {ranks * max(v, 1) - 1} split points"
+            + f" (or {ranks} more, ...: a multiple of {ranks} stages)"
+            * multi
+        )
+    return v
+
+
 def theory_bubble_fraction(schedule: PipelineSchedule) -> Fraction:
     """The schedule's bubble in closed form, exact, with every cell one tick (``B`` as long as
     ``F``; ``I`` and ``W`` each as long as ``F``): idle rank-ticks over all rank-ticks.
@@ -335,33 +347,3 @@ def theory_bubble_fraction(schedule: PipelineSchedule) -> Fraction:
     if name in ("zbh1", "zb1p", "zbv"):
         return Fraction(p - 1, 3 * v * m + p - 1)
     return Fraction(p - 1, v * m + p - 1)
-
-
-def split_layers(
-    layers: int, ranks: int, stages_per_rank: int = 1
-) -> tuple[tuple[range, ...], ...]:
-    """Which layers each rank's stages hold (loop placement): ``result[r][c]`` is the range of
-    layers of stage ``c * ranks + r``, ``layers / (ranks * stages_per_rank)`` consecutive
-    layers each.
-
-    >>> split_layers(8, 2, 2)
-    ((range(0, 2), range(4, 6)), (range(2, 4), range(6, 8)))
-    >>> split_layers(6, 2, 2)
-    Traceback (most recent call last):
-    ...
-    ValueError: layers=6 do not split into 2 ranks x 2 stages per rank = 4 equal stages; ...
-    """
-    n = check_count(layers, "layers", "a model has at least one layer")
-    p = check_count(ranks, "ranks", "a pipeline needs at least one rank")
-    v = check_count(stages_per_rank, "stages_per_rank", "every rank holds at least one stage")
-    if n % (p * v):
-        fits = [c for c in range(1, n + 1) if n % (p * c) == 0]
-        raise ValueError(
-            f"layers={n} do not split into {p} ranks x {v} stages per rank = {p * v} equal "
-            f"stages; use a number of layers divisible by {p * v}"
-            + (f", or stages_per_rank in {fits}" if fits else f", or fewer ranks than {p}")
-        )
-    size = n // (p * v)
-    return tuple(
-        tuple(range((c * p + r) * size, (c * p + r + 1) * size) for c in range(v)) for r in range(p)
-    )

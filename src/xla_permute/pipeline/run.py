@@ -1,16 +1,11 @@
-"""A training step of any pipeline schedule on stage shifts: :func:`pipeline_step`.
-
-Each rank runs its own column of a :class:`~xla_permute.pipeline.schedule.PipelineSchedule`
-(GPipe, 1F1B, interleaved 1F1B, Looped BFS, ZB-H1, ZB1P, ZB-V, DualPipeV, or one of your own):
-forwards, fused backwards ``B``, input gradients ``I`` and weight gradients ``W`` as the
-schedule orders them, gradients accumulated over micro-batches, and every rank issues the
-schedule's shifts in the same order.
-"""
+"""A training step of any pipeline schedule on stage shifts, :func:`pipeline_step`, and the
+stages cut from a model by name that it runs, :func:`split_model`."""
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from inspect import signature
 
 import torch
 
@@ -18,11 +13,11 @@ from xla_permute.backends.select import BackendName, check_tensor
 from xla_permute.debug import agree
 from xla_permute.permute import permute_checked
 from xla_permute.pipeline.forward import pipeline_groups
-from xla_permute.pipeline.orders import SCHEDULES, make_schedule
+from xla_permute.pipeline.orders import SCHEDULES, make_schedule, stages_per_rank
 from xla_permute.pipeline.schedule import Cell, PipelineSchedule, units
 from xla_permute.pipeline.shift import checked_shifts, resolve_wrap
 
-__all__ = ["PipelineStep", "pipeline_step"]
+__all__ = ["PipelineStep", "pipeline_step", "split_model"]
 
 
 @dataclass(frozen=True)
@@ -42,35 +37,90 @@ class PipelineStep:
     live: tuple[int, ...]
     shifts: tuple[tuple[int, ...], ...]
 
-    @property
-    def idle_ticks(self) -> int:
-        return sum(w is None for w in self.executed)
-
 
 Module = Callable[[torch.Tensor], torch.Tensor]
 
 
+def split_model(
+    model: torch.nn.Module, split_points: Sequence[str] | Mapping
+) -> torch.nn.ModuleList:
+    """The model cut into stages at ``split_points`` (PyTorch's ``split_spec``: the names of the
+    modules that begin a stage, or ``{name: SplitPoint.BEGINNING or END}``), for
+    :func:`pipeline_step`. A stage runs its modules in a row: the model's children, a child
+    holding a split point replaced by its children (a ``ModuleList`` of blocks; Hugging Face's
+    ``model``, whose layers get ``position_embeddings`` from its ``rotary_emb``). So the
+    embedding opens stage 0, the head closes the last; the forward must be that chain.
+    """
+    points = [split_points] if isinstance(split_points, str) else split_points
+    at = list(points.items()) if isinstance(points, Mapping) else [(n, 0) for n in points]
+    pieces, i = list(model.named_children()), 0
+    while i < len(pieces):  # a child that holds a split point: its children instead
+        name, module = pieces[i]
+        if any(n.startswith(f"{name}.") for n, _ in at):
+            pieces[i : i + 1] = [(f"{name}.{c}", m) for c, m in module.named_children()]
+        else:
+            i += 1
+    rotary = [m for n, m in pieces if n.endswith("rotary_emb")]
+    names = [n for n, _ in pieces if not n.endswith("rotary_emb")]
+    starts = [names.index(n) + (getattr(pt, "name", pt) == "END") for n, pt in at if n in names]
+    if len(starts) < len(at) or starts != sorted(set(starts)) or {0, len(names)} & set(starts):
+        unknown = [n for n, _ in at if n not in names]
+        near = [n for n, _ in model.named_modules() for u in unknown if n.endswith(f".{u}")]
+        raise ValueError(
+            f"split_points {[n for n, _ in at]} must name once each, in model order, the "
+            f"modules that begin stages 1, 2, ...: {', '.join(names)}"
+            + (f"; {unknown[0]!r} is none of them" if unknown else ", none empty")
+            + (f" ({near[0]!r}?)" if near else "")
+        )
+    if rotary and getattr(getattr(model, "config", None), "_attn_implementation", "") == "eager":
+        raise ValueError("model: load it with attn_implementation='sdpa' (causal without a mask)")
+    pieces = [
+        _Rotary(m, rotary[0])
+        if rotary and "position_embeddings" in signature(m.forward).parameters
+        else m
+        for n, m in pieces
+        if not n.endswith("rotary_emb")
+    ]
+    cut = zip([0, *starts], [*starts, len(pieces)], strict=True)
+    return torch.nn.ModuleList(torch.nn.Sequential(*pieces[a:b]) for a, b in cut)
+
+
+class _Rotary(torch.nn.Module):
+    """A Hugging Face decoder layer given the ``position_embeddings`` of ``0 .. seq-1``."""
+
+    def __init__(self, layer: torch.nn.Module, rotary: torch.nn.Module) -> None:
+        super().__init__()
+        self.layer, self.rotary = layer, rotary
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        where = torch.arange(x.shape[1], device=x.device)[None]
+        return self.layer(x, position_embeddings=self.rotary(x, where))
+
+
 def _check_modules(modules: object) -> list[Module]:
+    if isinstance(modules, torch.nn.ModuleList):  # every stage of the model (split_model's)
+        modules = list(modules)
     listed = [modules] if callable(modules) else modules
     if not isinstance(listed, (list, tuple)) or not listed or not all(map(callable, listed)):
         raise TypeError(
-            f"modules must be this rank's stage (a callable x -> y) or a non-empty list of its "
-            f"stages in model order (schedule.stages_of(rank)), got {type(modules).__name__}"
+            f"modules must be this rank's stage (a callable x -> y), a non-empty list of its "
+            f"stages in model order (schedule.stages_of(rank)) or split_model's ModuleList of "
+            f"every stage, got {type(modules).__name__}"
         )
     return list(listed)
 
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-_MAX_DIMS = 8
+_MAX_DIMS, _TEXT = 8, 200  # an activation's dims; the bytes of stage 0's error each rank shows
 
 
 def _infer(
     schedule, modules, inputs, position, group, comm, ok: bool
 ) -> tuple[tuple[int, ...], torch.dtype]:
     """The activation stage 0 hands on, from the first micro-batch: the rank that holds stage
-    0 runs it (no gradient) and every rank of the pipeline reads its shape and dtype from one
-    all-gather of a small int row (the debug mode's, :meth:`gather_rows`), so all agree."""
-    row = [0] * (_MAX_DIMS + 2)  # ndim (-1: stage 0 failed), dims..., dtype
+    0 runs it (no gradient) and every rank of the pipeline reads its shape and dtype (or the
+    stage's error) from one all-gather of an int row (:meth:`gather_rows`), so all agree."""
+    row = [0] * (_MAX_DIMS + 2 + _TEXT)  # ndim (-1: stage 0 failed), dims..., dtype, error
     if 0 in schedule.stages_of(position) and not ok:
         row[0] = -1
     elif 0 in schedule.stages_of(position):
@@ -80,17 +130,20 @@ def _infer(
             shape = tuple(y.shape)
             if y.dtype not in _DTYPES or len(shape) > _MAX_DIMS:
                 raise ValueError(f"an activation of shape {shape} and dtype {y.dtype}")
-            row = [len(shape), *shape, *[0] * (_MAX_DIMS - len(shape)), _DTYPES.index(y.dtype)]
-        except (RuntimeError, TypeError, ValueError, IndexError):
-            row[0] = -1
+            row[: _MAX_DIMS + 1] = [len(shape), *shape, *[0] * (_MAX_DIMS - len(shape))]
+            row[_MAX_DIMS + 1] = _DTYPES.index(y.dtype)
+        except (RuntimeError, TypeError, ValueError, IndexError) as e:
+            text = f" ({type(e).__name__}: {e})".encode()[:_TEXT]
+            row[0], row[-_TEXT : len(row) - _TEXT + len(text)] = -1, list(text)
     first = comm.gather_rows(row)[group[schedule.rank_of(0)]]
     if first[0] < 0:
+        said = bytes(first[-_TEXT:]).rstrip(b"\0").decode(errors="replace")
         raise ValueError(
             f"activation='infer': stage 0 (on rank {group[schedule.rank_of(0)]}) could not run on "
-            f"the first micro-batch or returned no floating tensor of at most {_MAX_DIMS} dims; "
-            f"declare activation=(shape, dtype), or see that rank's error"
+            f"the first micro-batch or returned no floating tensor of at most {_MAX_DIMS} dims"
+            f"{said or ' (see that rank)'}; declare activation=(shape, dtype)"
         )
-    return tuple(first[1 : 1 + first[0]]), _DTYPES[first[-1]]
+    return tuple(first[1 : 1 + first[0]]), _DTYPES[first[_MAX_DIMS + 1]]
 
 
 def _activation(activation: object, inputs: torch.Tensor) -> tuple[tuple[int, ...], torch.dtype]:
@@ -121,7 +174,14 @@ def _probe(schedule, modules, loss_fn, inputs, targets, position, activation) ->
     with torch.no_grad():
         for c, (k, module) in enumerate(zip(schedule.stages_of(position), modules, strict=True)):
             x = inputs[0] if k == 0 else between
-            y = module(x)
+            try:
+                y = module(x)
+            except (RuntimeError, TypeError, ValueError, IndexError) as e:
+                raise ValueError(
+                    f"stage module {c} (stage {k}) raised {type(e).__name__} ({e}) for its input "
+                    f"of shape {tuple(x.shape)} and dtype {x.dtype}: stage 0 takes a micro-batch, "
+                    f"the others what the stage before returns; declare activation=(shape, dtype)"
+                ) from e
             if k == schedule.stages - 1:
                 try:
                     loss = loss_fn(y, targets[0])
@@ -171,22 +231,16 @@ def pipeline_step(
     accumulate into the stages' parameters (``.grad``), as ``loss.backward()`` would: zero
     them between steps as usual (``optimizer.zero_grad()``).
 
-    Each rank runs its column of the schedule; after a tick every rank issues one
-    :func:`~xla_permute.pipeline.shift.stage_shift` ``+1`` when some rank hands on, one ``-1``
-    when some rank hands back (an idle rank sends zeros). ``I`` is ``torch.autograd.grad(y, x,
-    dy, retain_graph=True)``; ``W`` later backpropagates the same ``dy`` into the stage's
-    parameters, without running the forward again.
-
     Stage 0 takes a micro-batch ``inputs[i]`` (token ids, say), every stage hands the next an
     ``activation`` of one declared shape and dtype, the last stage's output goes to
     ``loss_fn`` with ``targets[i]``. Each rank checks its stages against the declaration before
     any collective; all ranks must declare the same (the debug mode compares them).
 
     Args:
-        modules: this rank's stage ``y = module(x)``, or the list of its stages in model order
+        modules: this rank's stage ``y = module(x)``, the list of its stages in model order
             (``schedule.stages_of(rank)``: for the interleaved schedule stage ``c`` of the
             list is stage ``c * ranks + rank`` of the model; for a V, stages ``rank`` and
-            ``2 ranks - 1 - rank``).
+            ``2 ranks - 1 - rank``), or every stage, :func:`split_model`'s ``ModuleList``.
         inputs: ``(M, *shape)`` micro-batches; read on the first stage only (the other ranks
             pass any tensor of that shape). XLA tensors, or CPU/CUDA tensors with
             ``torch.distributed`` initialized (``backend="c10d"``).
@@ -239,6 +293,8 @@ def pipeline_step(
         )
     groups = pipeline_groups(world, ranks)
     p, v, m = len(groups[0]), len(stage_fns), inputs.shape[0]
+    if isinstance(modules, torch.nn.ModuleList):  # every stage: this rank runs its own
+        v = stages_per_rank(schedule, v, p)
     position = rank % p
     name = schedule.name if isinstance(schedule, PipelineSchedule) else str(schedule)
     if isinstance(schedule, PipelineSchedule):
@@ -254,6 +310,8 @@ def pipeline_step(
         if schedule not in SCHEDULES:
             make_schedule(schedule, p, 1, v)
         schedule = None
+    if len(stage_fns) != v and schedule is not None:  # split_model's: the stages placed here
+        stage_fns = [stage_fns[k] for k in schedule.stages_of(position)]
     needs_ring = schedule is not None and schedule.needs_ring
     if needs_ring and wrap is False:
         raise ValueError(
