@@ -1,14 +1,7 @@
-"""``xp.parallelize_module`` with Hugging Face's own plans: ``config.base_model_tp_plan``.
-
-A Qwen2 and a Llama from ``transformers`` (random weights, no download; configs other than
-page 05's: 8 query heads over 2 KV heads, fewer KV heads than ranks) become tensor-parallel on
-4 and 8 ranks of the CPU mesh by one call with their own plan, its strings unchanged, and match
-the same model on one device (CPU, float64): the first logits and 3 AdamW steps' losses. The
-attentions become ``ParallelAttention`` (each KV head whole on the ranks that share it); the
-same plan in PyTorch's form (``ColwiseParallel()`` on q/k/v) would cut a KV head and is refused
-before anything changes, on every rank. Host tests check the mapping of the strings and the
-refusals by name.
-"""
+"""Hugging Face's own plans: a Qwen2 and a Llama (8 query heads over 2 KV heads) made
+tensor-parallel on 4 and 8 ranks by one call with ``config.base_model_tp_plan`` equal one
+device (logits, first gradients, 3 AdamW steps); the PyTorch form that cuts a KV head, strings
+not applied and tied weights split apart are refused before anything changes."""
 
 from __future__ import annotations
 
