@@ -70,17 +70,29 @@ window.addEventListener("hashchange", openFoldsAroundTarget);
 
 // In a table (the API pages' tables of names aside, wrap.css) a literal may break after an
 // opening bracket, a "=", a "," or a ".": RowwiseParallel(<wbr>output_layouts=<wbr>Shard(1))
-// would otherwise set its column's width and push the table past the column. A <wbr> is an
-// element, not a character: what a reader copies stays the same.
+// would otherwise set its column's width and push the table past the column; so may any
+// text after a "/" (the bench's program names: matmul_reduce_scatter/<wbr>baseline). A <wbr>
+// is an element, not a character: what a reader copies stays the same.
 document.addEventListener("DOMContentLoaded", () => {
   const article = document.querySelector("article.bd-article") || document.body;
-  for (const pre of article.querySelectorAll("table:not(.autosummary) code.literal span.pre")) {
-    const parts = pre.textContent.split(/(?<=[(=,.])(?=.)/);
-    if (parts.length < 2) continue;
-    pre.textContent = "";
+  const breakAfter = (node, at) => {
+    const parts = node.textContent.split(at);
+    if (parts.length < 2) return;
+    const pieces = document.createDocumentFragment();
     parts.forEach((part, i) => {
-      if (i > 0) pre.appendChild(document.createElement("wbr"));
-      pre.appendChild(document.createTextNode(part));
+      if (i > 0) pieces.appendChild(document.createElement("wbr"));
+      pieces.appendChild(document.createTextNode(part));
     });
+    node.replaceWith(pieces);
+  };
+  for (const cell of article.querySelectorAll("table:not(.autosummary) :is(td, th)")) {
+    const walker = document.createTreeWalker(cell, NodeFilter.SHOW_TEXT);
+    const texts = [];
+    for (let node; (node = walker.nextNode()); ) texts.push(node);
+    for (const node of texts) {
+      if (node.parentElement.closest(".math, mjx-container")) continue;  // MathJax's TeX
+      const literal = node.parentElement.closest("code.literal");
+      breakAfter(node, literal ? /(?<=[(=,.\/])(?=.)/ : /(?<=\/)(?=\S)/);
+    }
   }
 });
