@@ -1,15 +1,6 @@
-"""xp.split_model: pipeline stages cut from a model by module names, PyTorch's split points.
-
-On CPU: the stages of a user's own model (an embedding, a ModuleList of blocks, a norm, a head)
-hold the parameters torch.distributed.pipelining's own ``pipeline(model, split_spec=...)``
-puts in each stage, for the same split spec (BEGINNING and END), and in a row they are the
-model; a Hugging Face Llama's stages (``model.layers.N``) in a row are its forward and its
-gradients, float64; bad split points are refused by name with the fix. On the 4-device CPU
-mesh (one launch): the user's model from split points under ZB-V, DualPipeV and 1F1B, three
-AdamW steps each, equals one device (float64); leaving ``activation=`` out, inferring it from
-a failing stage 0 and declaring one a stage cannot take each give the library's advice beside
-the stage's own error (on every rank alike where the library gathers it: ``"infer"``).
-"""
+"""xp.split_model: stages cut by module name hold what torch.distributed.pipelining's own split
+puts in them; bad names are refused; ZB-V, DualPipeV and 1F1B from names train like one device
+(mesh, float64); a stage that fails its probe gets the declare-activation advice."""
 
 from __future__ import annotations
 
