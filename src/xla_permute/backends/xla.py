@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -98,6 +99,15 @@ def check_native_runs_here(device_type: str) -> None:
         )
 
 
+def _everywhere(groups: Groups, channel_id: int | None = None) -> dict[str, Any]:
+    """A collective's arguments in the form that runs on every device: no pinned layout (an
+    all-gather stays one), a channel id (XLA:CPU matches participants by it), global ids."""
+    return {
+        "groups": [list(g) for g in groups], "pin_layout": False, "use_global_device_ids": True,
+        "channel_id": next_channel_id() if channel_id is None else channel_id,
+    }  # fmt: skip
+
+
 class _Xla(CommBackend):
     """What the native and emulated backends share: everything but the permute."""
 
@@ -128,29 +138,12 @@ class _Xla(CommBackend):
     def all_gather(self, x: torch.Tensor, dim: int, groups: Groups) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
 
-        return xm.all_gather(
-            x,
-            dim=dim,
-            groups=[list(g) for g in groups],
-            pin_layout=False,
-            channel_id=next_channel_id(),
-            use_global_device_ids=True,
-        )
+        return xm.all_gather(x, dim=dim, **_everywhere(groups))
 
     def reduce_scatter(self, x: torch.Tensor, dim: int, groups: Groups) -> torch.Tensor:
         import torch_xla.core.xla_model as xm
 
-        return xm.reduce_scatter(
-            xm.REDUCE_SUM,
-            x,
-            1.0,
-            dim,
-            len(groups[0]),
-            groups=[list(g) for g in groups],
-            pin_layout=False,
-            channel_id=next_channel_id(),
-            use_global_device_ids=True,
-        )
+        return xm.reduce_scatter(xm.REDUCE_SUM, x, 1.0, dim, len(groups[0]), **_everywhere(groups))
 
     def gather_rows(self, row: Sequence[int]) -> list[list[int]]:
         """A program of its own on a fresh collective token: the check neither joins the
@@ -165,14 +158,8 @@ class _Xla(CommBackend):
         try:
             # int32: Neuron's collectives take no 64-bit types (hardware caveat neuron-no-64bit)
             mine = torch.tensor([list(row)], dtype=torch.int32).to(torch_xla.device())
-            gathered = xm.all_gather(
-                mine,
-                dim=0,
-                groups=[list(range(self.world_size()))],
-                pin_layout=False,
-                channel_id=AGREEMENT_CHANNEL,
-                use_global_device_ids=True,
-            ).cpu()
+            everyone = _everywhere([range(self.world_size())], AGREEMENT_CHANNEL)
+            gathered = xm.all_gather(mine, dim=0, **everyone).cpu()
         finally:
             torch_xla._XLAC._set_all_reduce_token(context, token)
         return gathered.tolist()
