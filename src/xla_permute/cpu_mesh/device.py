@@ -148,17 +148,13 @@ def fit_torch_compile() -> None:
     """Let ``torch.compile`` (backend ``openxla``) compile and run a rank's local math, forward
     and backward, on the mesh of rank threads.
 
-    torch_xla 2.9's dynamo bridge waits for the sync it starts with by
-    ``xm.wait_device_ops()`` with no device list: every device of the process, including
-    another rank's inside a collective that waits for this rank, and XLA:CPU aborts after
-    15 s. Here it waits for the rank's own device. And torch's compiler keeps process-global
-    state, which ranks compiling at once corrupted: the node metadata being traced and the
-    compile metrics (so the bridge's extraction of a graph and AOT autograd's lazy compile of
-    a backward take Dynamo's ``compile_lock``, one rank at a time, as Dynamo's own compile
-    does; a rank syncs before the extraction, so that it never holds the lock while it waits
-    for the others), and the FX tracing flag, which a compiled function's call reads: here
-    it counts only for the thread that holds the lock, the one tracing. The rank's status
-    says ``torch.compile`` while it extracts.
+    torch_xla 2.9's dynamo bridge waits by ``xm.wait_device_ops()`` for every device of the
+    process, another rank's inside a collective that waits for this rank too (XLA:CPU aborts
+    after 15 s): here, for the rank's own device. torch's compiler keeps process-global state
+    that ranks compiling at once corrupted: the node metadata being traced and the compile
+    metrics (the bridge's extraction, after the rank's sync, and AOT autograd's lazy compile of
+    a backward take Dynamo's ``compile_lock``, as Dynamo's own compile does), and the FX
+    tracing flag that a compiled function's call reads (it counts for the lock's holder only).
     """
     dynamo_bridge.xm = _OwnDeviceWait(dynamo_bridge.xm)
     extract, lock = core_bridge.extract_compiled_graph, dynamo_compile.compile_lock

@@ -114,21 +114,14 @@ def _check_env(n: int, env: object) -> dict[str, str]:
 def mesh_environment(n: int, env: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of the device process for an ``n``-device CPU mesh.
 
-    This process's environment, then the mesh's settings, then ``env``. The mesh turns the
-    debug mode on (``XLA_PERMUTE_DEBUG=1``, :mod:`xla_permute.debug`: every collective of this
-    package first checks that the ranks agree) unless this process's environment or ``env``
-    sets ``XLA_PERMUTE_DEBUG`` (``"0"`` turns it off, e.g. for timed runs of a correct program).
-
-    It also turns torch_xla's parameter aliasing off (``XLA_ENABLE_PARAM_ALIASING=0``) unless
-    this process's environment or ``env`` sets it: with aliasing on, a training loop on a mesh
-    of device *threads* can deadlock until XLA:CPU aborts the process (caveat
-    ``param-aliasing-deadlock``; tutorial 14 has the mechanism and a reproducer). The cost:
-    each step's updated parameters and optimizer states get new buffers.
-
-    And it compiles with LLVM's optimizer off (``--xla_backend_optimization_level=0`` added to
-    ``XLA_FLAGS`` unless they set the level), most of a compile on XLA:CPU: a rank whose
-    compile ends more than 15 s after another's aborts the mesh (caveat
-    ``compile-skew-rendezvous``).
+    This process's environment, then the mesh's settings, then ``env``. Unless this process's
+    environment or ``env`` sets them, the mesh sets: ``XLA_PERMUTE_DEBUG=1`` (every collective
+    of this package first checks that the ranks agree, :mod:`xla_permute.debug`; ``"0"`` turns
+    it off, e.g. for timed runs of a correct program); ``XLA_ENABLE_PARAM_ALIASING=0`` (with
+    aliasing on, a training loop on a mesh of device threads can deadlock: caveat
+    ``param-aliasing-deadlock``; each step's updated tensors then get new buffers); and
+    ``--xla_backend_optimization_level=0`` in ``XLA_FLAGS`` (LLVM's optimizer is most of a
+    compile on XLA:CPU: caveat ``compile-skew-rendezvous``).
 
     >>> e = mesh_environment(4)
     >>> e["PJRT_DEVICE"], e["CPU_NUM_DEVICES"], int(e["XLA_THREAD_POOL_SIZE"]) >= 4
@@ -288,12 +281,8 @@ def run_on_mesh(
     modules ``fn`` imports, and their globals, are shared by the rank threads as usual.
 
     The device process guards every rank's ``torch_xla.sync()``
-    (:func:`~xla_permute.cpu_mesh.device.guard_syncs`; ``XLA_PERMUTE_SYNC_GUARD=0`` turns it
-    off), and the debug mode is on in it (:func:`mesh_environment`): ranks that pass
-    different arguments to a collective of this package raise
-    :class:`~xla_permute.debug.DisagreementError` on every rank, at every call.
-
-    What the ranks print (and their warnings) appears here while they run, each line
+    (:func:`~xla_permute.cpu_mesh.device.guard_syncs`), with the debug mode on
+    (:func:`mesh_environment`). What the ranks print appears here as they run, each line
     prefixed by its rank (``[rank 2] ...``; :mod:`xla_permute.cpu_mesh.rank_output`).
 
     Returns the per-rank return values in rank order. Tensors on an XLA device in them, in
