@@ -29,8 +29,7 @@ inputs): the permute that starts hop i carries K/V ahead for hop i+1 and the dK/
 i-1's block (the sum from the ranks before, plus this rank's share), so it waits for no
 block of hop i, and every hop's compute overlaps its permute, as in the forward. Hop 0 sends
 K/V alone, hop N-1 dK/dV alone, and one more permute of ``[dk, dv]`` brings them home: the
-backward issues N+1 permutes carrying 2N-1 blocks (K/V N-1 times, dK/dV N times; a block is
-one rank's K and V, or their dK and dV), the forward N-1 permutes of one block each.
+backward issues N+1 permutes carrying 2N-1 blocks (K/V N-1 times, dK/dV N times), the forward N-1.
 
 Causal: blocks fully above the diagonal are skipped, not computed and discarded. Which
 blocks a rank computes at each hop is :func:`ring_attention_schedule`, pure Python. The
@@ -433,8 +432,7 @@ def ring_attention(
         ``[B, Hq, S/N, D]``: ``softmax(q K^T * scale + mask) V`` over the whole sequence, in
         the input dtype (merged in float32 for half inputs, rounded once). Differentiable:
         the backward is a ring of its own (module docstring). Collectives: N-1 permutes of
-        ``[2, B, Hkv, S/N, D]`` forward; N+1 backward carrying 2N-1 such blocks, each
-        hop's overlapping its blocks.
+        ``[2, B, Hkv, S/N, D]`` forward; N+1 backward (2N-1 blocks), each overlapping a hop.
         Empty inputs issue none.
 
     Raises:
