@@ -63,7 +63,7 @@ NEEDS_TORCH_XLA = {
     "docs": "api_pages docs_build_without search_index",
     "hardware": "collective_permute_consults collective_signatures detect_ the_xla_backends_refuse",
     "launch": "closure_lambda every_op_reports hang_is_killed mesh_error_names "
-    "mismatched_collective rank_error_names result_that_cannot results_come_back "
+    "mismatched_collective rank_error_names rank_traceback result_that_cannot results_come_back "
     "script_whose single_device_mesh the_launcher_var xla_tensor",
     "layers": "layers_run_every_collective training_step_matches",
     "mesh2d": "all_reduce mesh2d_coords_on_the_mesh ranks_that_disagree",
