@@ -304,15 +304,18 @@ def make_schedule(
 
 
 def stages_per_rank(schedule: str | PipelineSchedule, stages: int, ranks: int) -> int:
-    """How many of a model's ``stages`` each of ``ranks`` ranks holds under ``schedule``."""
-    name, multi = getattr(schedule, "name", schedule), schedule in _MULTI
-    v = getattr(schedule, "stages_per_rank", 2 if name in _V else stages // ranks if multi else 1)
-    if stages != ranks * v and (name in SCHEDULES or not isinstance(schedule, str)):
+    """How many of a model's ``stages`` each of ``ranks`` ranks holds under ``schedule`` (a name
+    or a :class:`PipelineSchedule`); ValueError naming the split points to pass if they differ."""
+    if isinstance(schedule, PipelineSchedule):
+        name, v = schedule.name, schedule.stages_per_rank
+    else:
+        name, v = schedule, 2 if schedule in _V else 1
+        v = stages // ranks if schedule in _MULTI else v
+    if stages != ranks * v and (name in SCHEDULES or isinstance(schedule, PipelineSchedule)):
+        more = f" (or {ranks} more, ...: a multiple of {ranks} stages)" if name in _MULTI else ""
         raise ValueError(
             f"modules holds {stages} stages; {name} runs {max(v, 1)} per rank on {ranks} ranks: "
-            f"pass split_model {ranks * max(v, 1) - 1} split points"
-            + f" (or {ranks} more, ...: a multiple of {ranks} stages)"
-            * multi
+            f"pass split_model {ranks * max(v, 1) - 1} split points{more}"
         )
     return v
 
