@@ -290,8 +290,7 @@ STEPS, M = 3, 8
 
 @pytest.fixture(scope="module")
 def mesh() -> dict:
-    fast = {"XLA_FLAGS": "--xla_backend_optimization_level=0"}
-    return xp.run_on_mesh(rank_trainings, RUNS, STEPS, M, n=N, env=fast)
+    return xp.run_on_mesh(rank_trainings, RUNS, STEPS, M, n=N)  # run_on_mesh's defaults
 
 
 @pytest.mark.parametrize("i", range(len(RUNS)), ids=[r[0] for r in RUNS])
